@@ -1,0 +1,1 @@
+"""Gymnasium environments for MoE-RL (gymnasium + numpy only). Importing registers them."""

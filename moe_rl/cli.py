@@ -1,0 +1,131 @@
+"""`moe-rl` command line: train, evaluate.
+
+    moe-rl train [--config FILE] [--env ID] [--iterations N] [--output DIR] [--seed S]
+                 [--num-env-runners N] [--num-learners N] [--ep-size N] [--set dotted.key=value ...]
+    moe-rl evaluate RUN_DIR [--episodes N]
+
+Exit codes: 0 done, 2 bad flag / bad config value / unusable output directory (one line on stderr
+naming the field), 1 anything that failed while training.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from typing import List, Optional
+
+from .settings import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-rl", description="Train Mixture-of-Experts policies with RL on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train an MoE policy with PPO (embedded Ray, or RAY_ADDRESS)")
+    t.add_argument("--config", help="run config YAML (default: the CartPole quickstart)")
+    t.add_argument("--env", help="gymnasium env id")
+    t.add_argument("--iterations", type=int, help="training iterations")
+    t.add_argument("--output", help="run directory (default: runs/<env>-<time>)")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--num-env-runners", type=int)
+    t.add_argument("--num-learners", type=int)
+    t.add_argument("--ep-size", type=int)
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. moe.num_experts=16 or training.lr=1e-4")
+    e = sub.add_parser("evaluate", help="load a run's last checkpoint and report the mean return")
+    e.add_argument("run_dir")
+    e.add_argument("--episodes", type=int, default=10)
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"moe-rl: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _flag_overrides(args) -> List[str]:
+    flags = {"env": args.env, "iterations": args.iterations, "seed": args.seed,
+             "env_runners.num_env_runners": args.num_env_runners,
+             "learners.num_learners": args.num_learners, "moe.ep_size": args.ep_size}
+    return [f"{k}={v}" for k, v in flags.items() if v is not None]
+
+
+def cmd_train(args) -> int:
+    from .run_config import apply_overrides, load_run_config, resolved, validate_run_config
+    from .run_dir import RunDir
+
+    try:
+        cfg = apply_overrides(load_run_config(args.config), _flag_overrides(args) + args.set)
+        if args.env is not None:  # flags keep their string type even when YAML would read a number
+            cfg["env"] = args.env
+        config = validate_run_config(cfg)
+    except ConfigError as e:
+        return _fail(str(e))
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg["env"]) + time.strftime("-%Y%m%d-%H%M%S")
+    out = args.output or os.path.join(cfg.get("output", "runs"), name)
+    try:
+        run = RunDir(out, resolved(cfg, config))
+    except OSError as e:
+        return _fail(str(e))
+    return train_loop(config, cfg, run)
+
+
+def train_loop(config, cfg, run) -> int:
+    import ray
+
+    started_ray = False
+    if not ray.is_initialized():
+        if not os.environ.get("RAY_ADDRESS"):
+            # An embedded Ray binds loopback only.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            ray.init(include_dashboard=False, log_to_driver=False)
+        else:  # `ray job submit` or a user-provided cluster
+            ray.init()
+        started_ray = True
+    from .run_dir import metrics_row
+
+    algo = config.build_algo()
+    iterations, every = cfg.get("iterations", 50), cfg.get("checkpoint_every", 10)
+    stop_return = cfg.get("stop_return")
+    print(f"moe-rl: run directory {run.path}", flush=True)
+    try:
+        for i in range(1, iterations + 1):
+            row = metrics_row(algo.train())
+            run.log(row)
+            print(f"iter {row['iteration']:4d}  steps {row['env_steps_total']:8d}  "
+                  f"return {row['episode_return_mean']:8.2f}  health {row.get('moe/health', '-'):8s}  "
+                  f"cv {row.get('moe/cv', float('nan')):.2f}  "
+                  f"drift k3 {row.get('drift/k3', float('nan')):.2g}  {row['time_s']:.0f}s", flush=True)
+            done = i == iterations or (stop_return is not None and row["episode_return_mean"] >= stop_return)
+            if done or i % every == 0:
+                algo.save_to_path(os.path.join(run.checkpoints, f"iter_{row['iteration']:06d}"))
+            if done:
+                break
+    finally:
+        run.close()
+        algo.stop()
+        if started_ray:
+            ray.shutdown()
+    print(f"moe-rl: done; metrics in {os.path.join(run.path, 'metrics.parquet')}", flush=True)
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from .evaluate import evaluate_run
+
+    try:
+        mean, returns = evaluate_run(args.run_dir, args.episodes)
+    except ConfigError as e:
+        return _fail(str(e))
+    print(f"mean return over {len(returns)} episodes: {mean:.2f}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    return {"train": cmd_train, "evaluate": cmd_evaluate}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The `moe.*` settings: defaults and validation (pure python, no Ray).
+
+Validation runs before any Ray actor starts (MoEPPOConfig.validate and the CLI both call it), so a
+bad value costs milliseconds and names the field and what is allowed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+from .moe import ACTIVATIONS, DISPATCH_PATHS, ROUTER_INITS, ROUTERS
+
+INFERENCE_DTYPES = ("fp32", "bf16")
+
+MOE_DEFAULTS: Dict[str, Any] = {
+    "num_experts": 8,          # N experts per MoE layer
+    "top_k": 2,                # experts per token
+    "router": "topk",          # one of ROUTERS
+    "num_layers": 2,           # MoE blocks in the policy trunk
+    "d_model": 64,             # trunk width
+    "d_ff": 64,                # expert hidden width
+    "activation": "tanh",
+    "temperature": 1.0,
+    "router_init": "normal",
+    "router_init_std": None,   # None: 0.02 / sqrt(N)
+    "router_kwargs": {},       # router-specific (sinkhorn_epsilon, bias_update_rate, num_tasks, ...)
+    "shared_expert": False,
+    "expert_dropout": 0.0,
+    "capacity_factor": None,   # None = dropless
+    "dispatch": "auto",
+    "aux_loss_coef": 0.01,     # Switch load-balancing loss weight
+    "z_loss_coef": 0.001,      # ST-MoE router z-loss weight
+    "inference_dtype": "fp32", # numeric setup of the rollout (inference) copy
+    "ep_size": 1,              # expert-parallel degree of the learner group
+    "routing_replay": False,   # R3: learner replays the rollout's recorded top-k
+    "vf_hiddens": [64, 64],    # value network (kept outside the MoE)
+    "max_seq_len": 64,         # token-sequence policies: context length of the transformer
+    "num_heads": 4,            # token-sequence policies: attention heads
+}
+
+
+class ConfigError(ValueError):
+    """An invalid setting; str() is one line naming the field and what is allowed."""
+
+
+def _need(cond: bool, field: str, allowed: str, got: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: must be {allowed}, got {got!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def validate_moe(s: Dict[str, Any], num_learners: int = 0) -> Dict[str, Any]:
+    """Check a full `moe` settings dict (defaults merged in); returns it. Field names are `moe.*`."""
+    unknown = sorted(set(s) - set(MOE_DEFAULTS))
+    _need(not unknown, f"moe.{unknown[0] if unknown else ''}", f"one of {sorted(MOE_DEFAULTS)}",
+          unknown[0] if unknown else None)
+    n = s["num_experts"]
+    _need(_is_int(n) and n >= 1, "moe.num_experts", "an int >= 1", n)
+    _need(_is_int(s["top_k"]) and 1 <= s["top_k"] <= n, "moe.top_k", f"an int in [1, moe.num_experts={n}]",
+          s["top_k"])
+    _need(s["router"] in ROUTERS, "moe.router", f"one of {ROUTERS}", s["router"])
+    for f in ("num_layers", "d_model", "d_ff", "max_seq_len", "num_heads"):
+        _need(_is_int(s[f]) and s[f] >= 1, f"moe.{f}", "an int >= 1", s[f])
+    _need(s["d_model"] % s["num_heads"] == 0, "moe.num_heads", f"a divisor of moe.d_model={s['d_model']}",
+          s["num_heads"])
+    _need(s["activation"] in ACTIVATIONS, "moe.activation", f"one of {tuple(ACTIVATIONS)}", s["activation"])
+    _need(_is_num(s["temperature"]) and s["temperature"] > 0, "moe.temperature", "a finite number > 0",
+          s["temperature"])
+    _need(s["router_init"] in ROUTER_INITS, "moe.router_init", f"one of {ROUTER_INITS}", s["router_init"])
+    _need(s["router_init_std"] is None or (_is_num(s["router_init_std"]) and s["router_init_std"] > 0),
+          "moe.router_init_std", "None or a finite number > 0", s["router_init_std"])
+    _need(isinstance(s["router_kwargs"], dict), "moe.router_kwargs", "a mapping", s["router_kwargs"])
+    if s["router"] == "task":
+        nt = s["router_kwargs"].get("num_tasks")
+        _need(_is_int(nt) and nt >= 1, "moe.router_kwargs.num_tasks", "an int >= 1 for router 'task'", nt)
+    _need(isinstance(s["shared_expert"], bool), "moe.shared_expert", "true or false", s["shared_expert"])
+    _need(_is_num(s["expert_dropout"]) and 0 <= s["expert_dropout"] < 1, "moe.expert_dropout",
+          "a number in [0, 1)", s["expert_dropout"])
+    cf = s["capacity_factor"]
+    _need(cf is None or (_is_num(cf) and cf > 0), "moe.capacity_factor", "None (dropless) or a number > 0", cf)
+    _need(s["dispatch"] in DISPATCH_PATHS, "moe.dispatch", f"one of {DISPATCH_PATHS}", s["dispatch"])
+    for f in ("aux_loss_coef", "z_loss_coef"):
+        _need(_is_num(s[f]) and s[f] >= 0, f"moe.{f}", "a finite number >= 0", s[f])
+    _need(s["inference_dtype"] in INFERENCE_DTYPES, "moe.inference_dtype", f"one of {INFERENCE_DTYPES}",
+          s["inference_dtype"])
+    ep = s["ep_size"]
+    _need(_is_int(ep) and ep >= 1, "moe.ep_size", "an int >= 1", ep)
+    _need(n % ep == 0, "moe.ep_size", f"a divisor of moe.num_experts={n}", ep)
+    _need(ep == 1 or (num_learners >= ep and num_learners % ep == 0), "moe.ep_size",
+          f"a divisor of learners.num_learners={num_learners}", ep)
+    _need(isinstance(s["routing_replay"], bool), "moe.routing_replay", "true or false", s["routing_replay"])
+    vf = s["vf_hiddens"]
+    _need(isinstance(vf, (list, tuple)) and all(_is_int(h) and h >= 1 for h in vf), "moe.vf_hiddens",
+          "a list of ints >= 1", vf)
+    return s

@@ -1,0 +1,73 @@
+"""`moe-rl` main job end to end: a real embedded Ray in a subprocess, a real run directory."""
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+REQUIRED_COLUMNS = ["iteration", "env_steps_total", "time_s", "episode_return_mean", "policy_loss", "vf_loss",
+                    "entropy", "aux_loss", "z_loss", "moe/cv", "moe/min_util", "moe/max_util",
+                    "moe/active_experts", "moe/router_entropy_norm", "moe/health"]
+
+
+def moe_rl(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "quick"
+    p = moe_rl("train", "--iterations", "3", "--output", str(out), "--seed", "1",
+               "--set", "training.train_batch_size_per_learner=500", "--set", "training.minibatch_size=125",
+               "--set", "checkpoint_every=2", "--set", "stop_return=null")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "iter    3" in p.stdout
+    return out
+
+
+def test_run_directory_is_complete(run_dir):
+    assert (run_dir / "config.yaml").is_file()
+    table = pq.read_table(run_dir / "metrics.parquet")
+    assert table.num_rows == 3
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    assert not missing, missing
+    assert any(c.startswith("moe/layer1/") for c in table.column_names)
+    assert set(table.column("moe/health").to_pylist()) <= {"healthy", "warning", "danger"}
+    assert table.column("env_steps_total").to_pylist() == sorted(table.column("env_steps_total").to_pylist())
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["iter_000002", "iter_000003"]
+    assert any(n.startswith("events.out.tfevents") for n in os.listdir(run_dir / "tb"))
+    config_text = (run_dir / "config.yaml").read_text()
+    assert "num_experts: 8" in config_text and "train_batch_size_per_learner: 500" in config_text
+
+
+def test_evaluate_loads_the_last_checkpoint(run_dir):
+    p = moe_rl("evaluate", str(run_dir), "--episodes", "2", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "mean return over 2 episodes:" in p.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["train", "--iterations", "two"], "--iterations: invalid int value"),
+    (["train", "--set", "moe.top_k=99"], "moe.top_k: must be"),
+    (["train", "--set", "moe.router=magic"], "moe.router: must be one of"),
+    (["train", "--env", "NoSuchEnv-v9"], "env: must be a registered gymnasium id"),
+    (["train", "--set", "training.lr=-1"], "training.lr: must be > 0"),
+    (["train", "--num-learners", "1", "--ep-size", "2"], "moe.ep_size: must be"),
+    (["train", "--config", "/nonexistent.yaml"], "--config: must be a readable YAML file"),
+    (["evaluate", "/nonexistent-run"], "RUN_DIR: must be a moe-rl run directory"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle):
+    p = moe_rl(*args, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    last = p.stderr.strip().splitlines()[-1]
+    assert needle in last, p.stderr
+
+
+def test_unwritable_output_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    p = moe_rl("train", "--output", str(blocker / "run"), timeout=120)
+    assert p.returncode == 2 and "output: cannot write the run directory" in p.stderr

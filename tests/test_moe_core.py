@@ -1,0 +1,209 @@
+"""Pure-torch core: MoE layer, routers, losses, health metrics (no Ray)."""
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_rl.losses import load_balancing_loss, moe_aux_losses, router_z_loss
+from moe_rl.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
+from moe_rl.moe import DISPATCH_PATHS, MoELayer, RoutingRecord, sinkhorn
+
+
+def naive_reference(layer: MoELayer, x: torch.Tensor, rec: RoutingRecord) -> torch.Tensor:
+    """Per-token, per-slot loop: the definition of the MoE output."""
+    ex = layer.experts
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(rec.top_k_indices.shape[1]):
+            e = int(rec.top_k_indices[t, j])
+            f = ex.experts[e]
+            h = f.fc2(f.act(f.fc1(x[t])))
+            out[t] += rec.gate_weights[t, j] * h
+    return out
+
+
+def test_core_imports_no_ray_or_deepspeed():
+    code = ("import sys, moe_rl.moe, moe_rl.losses, moe_rl.metrics, moe_rl.consistency; "
+            "print(any(m.split('.')[0] in ('ray', 'deepspeed') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
+def test_uniform_top1_routing_gives_aux_loss_one_and_cv_zero():
+    n, t = 4, 8
+    probs = torch.full((t, n), 1.0 / n)
+    idx = (torch.arange(t) % n).unsqueeze(1)
+    assert load_balancing_loss(probs, idx).item() == pytest.approx(1.0, abs=1e-7)
+    m = balance_metrics(expert_counts(idx, n))
+    assert m["cv"] == 0.0 and m["health"] == 0 and m["active_experts"] == n
+
+
+def test_all_tokens_on_one_expert_is_danger():
+    m = balance_metrics(expert_counts(torch.zeros(32, 1, dtype=torch.long), 8))
+    assert m["health"] == 2 and m["active_experts"] == 1 and m["min_util"] == 0.0 and m["max_util"] == 1.0
+    assert m["cv"] == pytest.approx(math.sqrt(7.0))  # population std of (32,0,...,0) / 4
+
+
+def test_warning_grade_band():
+    # u = (0.2, 0.2, 0.2, 0.2, 0.1, 0.1): min 0.1 = 0.6/N -> warning; CV = 0.35 healthy.
+    m = balance_metrics(torch.tensor([2, 2, 2, 2, 1, 1]))
+    assert m["health"] == 1
+
+
+def test_z_loss_and_entropy_hand_values():
+    logits = torch.zeros(3, 4)
+    assert router_z_loss(logits).item() == pytest.approx(math.log(4) ** 2)
+    h = router_entropy(torch.full((3, 4), 0.25))
+    assert h["router_entropy"] == pytest.approx(math.log(4)) and h["router_entropy_norm"] == pytest.approx(1.0)
+    assert router_entropy(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))["router_entropy"] == pytest.approx(0.0)
+
+
+def test_flip_rate_and_jaccard():
+    a = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    b = torch.tensor([[1, 0], [2, 0], [3, 0]])
+    assert flip_rate(a, b) == pytest.approx(2 / 3)
+    assert jaccard(a, b) == pytest.approx((1.0 + 1 / 3 + 0.0) / 3)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_sinkhorn_meets_both_marginals(k):
+    torch.manual_seed(0)
+    scores = torch.randn(64, 8) * 3
+    plan = sinkhorn(scores, top_k=k, epsilon=0.1, max_iters=500, tol=1e-5)
+    assert torch.allclose(plan.sum(1), torch.full((64,), float(k)), atol=1e-3)
+    assert torch.allclose(plan.sum(0), torch.full((8,), 64 * k / 8), atol=1e-3)
+
+
+def test_sinkhorn_router_balances_a_skewed_router():
+    torch.manual_seed(0)
+    layer = MoELayer(16, 8, 2, router="sinkhorn")
+    layer.router.gate.bias.data[0] = 5.0  # everyone would pick expert 0 under plain top-k
+    x = torch.randn(256, 16)
+    _, rec = layer(x)
+    layer.eval()
+    _, rec_greedy = layer(x)
+    assert balance_metrics(expert_counts(rec.top_k_indices, 8))["cv"] < 0.5
+    assert balance_metrics(expert_counts(rec_greedy.top_k_indices, 8))["max_util"] >= 0.5
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_output_matches_naive_reference(k):
+    torch.manual_seed(1)
+    layer = MoELayer(12, 6, k, d_ff=20, dispatch="sorted")
+    x = torch.randn(40, 12)
+    y, rec = layer(x)
+    assert torch.allclose(y, naive_reference(layer, x, rec), atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300])
+def test_every_dispatch_path_gives_the_same_output(tokens):
+    torch.manual_seed(2)
+    layer = MoELayer(16, 8, 2, d_ff=24, shared_expert=True).eval()
+    x = torch.randn(tokens, 16)
+    outs = {}
+    for path in DISPATCH_PATHS:
+        layer.dispatch = path
+        outs[path] = layer(x)[0]
+    for path, y in outs.items():
+        assert torch.allclose(y, outs["dense"], atol=1e-5), path
+
+
+def test_replay_reproduces_output_and_keeps_router_gradient():
+    torch.manual_seed(3)
+    layer = MoELayer(8, 4, 2, d_ff=16)
+    x = torch.randn(20, 8)
+    y, rec = layer(x)
+    y2, rec2 = layer(x, replay_indices=rec.top_k_indices.clone())
+    assert torch.equal(y, y2) and torch.equal(rec2.top_k_indices, rec.top_k_indices)
+    # A replayed routing that differs from what the router would pick still trains the router.
+    forced = torch.stack([torch.zeros(20, dtype=torch.long), torch.ones(20, dtype=torch.long)], 1)
+    layer.zero_grad()
+    y3, _ = layer(x, replay_indices=forced)
+    y3.pow(2).sum().backward()
+    assert layer.router.gate.weight.grad is not None and layer.router.gate.weight.grad.abs().sum() > 0
+    assert torch.allclose(y3, naive_reference(layer, x, layer.router(x, replay_indices=forced)), atol=1e-5)
+
+
+def test_capacity_factor_drops_overflow_tokens():
+    layer = MoELayer(8, 4, 1, capacity_factor=1.0)
+    layer.router.gate.bias.data[:] = torch.tensor([10.0, 0, 0, 0])  # all to expert 0
+    x = torch.randn(16, 8)
+    y, rec = layer(x)
+    assert rec.dropped.sum().item() == 16 - 4  # capacity = ceil(1.0 * 16 * 1 / 4) = 4
+    assert torch.all(y[rec.dropped[:, 0]] == 0)
+
+
+def test_bias_router_moves_bias_against_load():
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, 1, router="bias", router_kwargs={"bias_update_rate": 0.01})
+    layer.router.gate.bias.data[:] = torch.tensor([3.0, 0, 0, 0])
+    layer(torch.randn(64, 8))
+    b = layer.router.selection_bias
+    assert b[0] < 0 and (b[1:] > 0).all()
+
+
+def test_task_router_uses_task_ids():
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, 1, router="task", router_kwargs={"num_tasks": 3})
+    x = torch.randn(6, 8)
+    with pytest.raises(ValueError, match="task_ids"):
+        layer(x)
+    layer.router.task_embedding.weight.data[1] += 5.0
+    a = layer(x, task_ids=torch.zeros(6, dtype=torch.long))[1].router_logits
+    b = layer(x, task_ids=torch.ones(6, dtype=torch.long))[1].router_logits
+    assert not torch.allclose(a, b)
+
+
+def test_expert_dropout_only_in_training():
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, 2, expert_dropout=0.5)
+    x = torch.randn(32, 8)
+    layer.eval()
+    assert torch.equal(layer(x)[0], layer(x)[0])
+    layer.train()
+    assert not torch.equal(layer(x)[0], layer(x)[0])
+
+
+def test_router_init_schemes():
+    layer = MoELayer(64, 16, 2, router_init="normal")
+    assert layer.router.gate.weight.std().item() == pytest.approx(0.02 / 4, rel=0.1)
+    assert layer.router.gate.bias.abs().sum() == 0
+    layer = MoELayer(64, 16, 2, router_init="uniform")
+    assert layer.router.gate.weight.abs().max().item() <= math.sqrt(6 / (64 + 16))
+
+
+def test_router_math_is_fp32_in_bf16_layer():
+    layer = MoELayer(8, 4, 2).to(torch.bfloat16)
+    y, rec = layer(torch.randn(5, 8, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and rec.router_logits.dtype == torch.float32
+
+
+def test_health_summary_reports_worst_layer():
+    torch.manual_seed(0)
+    good = MoELayer(8, 4, 1)(torch.randn(400, 8))[1]
+    bad = RoutingRecord(torch.zeros(400, 1, dtype=torch.long), torch.ones(400, 1), torch.zeros(400, 4))
+    s = health_summary([good, bad])
+    assert s["moe/health"] == 2 and s["moe/layer1/health"] == 2 and s["moe/active_experts"] == 1
+    assert s["moe/cv"] == s["moe/layer1/cv"]
+    total, aux, z = moe_aux_losses([good, bad], 0.01, 0.001)
+    assert total.item() == pytest.approx(0.01 * aux.item() + 0.001 * z.item())
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"num_experts": 0}, "num_experts"), ({"top_k": 0}, "top_k"), ({"top_k": 9}, "top_k"),
+    ({"capacity_factor": 0.0}, "capacity_factor"), ({"capacity_factor": -1.0}, "capacity_factor"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": 0.0}, "temperature"), ({"router": "nope"}, "router"), ({"dispatch": "x"}, "dispatch"),
+    ({"expert_dropout": 1.0}, "expert_dropout"), ({"router_init": "xavier"}, "router_init"),
+])
+def test_bad_layer_arguments_name_the_field(kwargs, field):
+    args = {"d_model": 8, "num_experts": 8, "top_k": 2} | kwargs
+    with pytest.raises(ValueError, match=f"^{field}: must be"):
+        MoELayer(**args)
+
+
+def test_wrong_input_width_is_refused():
+    with pytest.raises(ValueError, match="^x: must be a tensor of width d_model=8"):
+        MoELayer(8, 4, 2)(torch.randn(3, 7))
