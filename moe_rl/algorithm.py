@@ -13,9 +13,15 @@ from typing import Any, Dict, Optional
 
 from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
+from ray.rllib.core import COMPONENT_RL_MODULE
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
+from ray.rllib.utils.metrics import (ALL_MODULES, ENV_RUNNER_RESULTS, ENV_RUNNER_SAMPLING_TIMER,
+                                     LEARNER_RESULTS, LEARNER_UPDATE_TIMER, NUM_ENV_STEPS_SAMPLED_LIFETIME,
+                                     NUM_MODULE_STEPS_TRAINED_LIFETIME, SYNCH_WORKER_WEIGHTS_TIMER, TIMERS,
+                                     WEIGHTS_SEQ_NO)
 
-from .settings import MOE_DEFAULTS, ConfigError, validate_moe
+from .settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
 
 
 class MoEPPOConfig(PPOConfig):
@@ -25,6 +31,7 @@ class MoEPPOConfig(PPOConfig):
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or MoEPPO)
         self.moe_settings: Dict[str, Any] = copy.deepcopy(MOE_DEFAULTS)
+        self.deepspeed_settings: Dict[str, Any] = copy.deepcopy(DEEPSPEED_DEFAULTS)
         self.stability_settings: Dict[str, Any] = {}
         self.consistency_settings: Dict[str, Any] = {}
 
@@ -35,6 +42,31 @@ class MoEPPOConfig(PPOConfig):
             raise ConfigError(f"moe.{unknown[0]}: unknown key, allowed: {', '.join(sorted(MOE_DEFAULTS))}")
         self.moe_settings.update({k: v for k, v in kwargs.items() if v is not NotProvided})
         return self
+
+    def deepspeed(self, **kwargs) -> "MoEPPOConfig":
+        """DeepSpeed learner group: `config` (dict or JSON path, passed to deepspeed.initialize),
+        `enabled`, `learner_resources`, `num_threads` (see moe_rl.settings.DEEPSPEED_DEFAULTS)."""
+        unknown = sorted(set(kwargs) - set(DEEPSPEED_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"deepspeed.{unknown[0]}: unknown key, allowed: {', '.join(sorted(DEEPSPEED_DEFAULTS))}")
+        self.deepspeed_settings.update({k: v for k, v in kwargs.items() if v is not NotProvided})
+        return self
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return bool(resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)["enabled"])
+
+    def build_learner_group(self, *, env=None, spaces=None, rl_module_spec=None, placement_group=None):
+        if not self.uses_deepspeed:
+            return super().build_learner_group(env=env, spaces=spaces, rl_module_spec=rl_module_spec,
+                                               placement_group=placement_group)
+        from actors.learner_group import DeepSpeedLearnerGroup
+        if rl_module_spec is None:
+            rl_module_spec = self.get_multi_rl_module_spec(env=env, spaces=spaces)
+        config = self.copy(copy_frozen=False)
+        config.deepspeed_settings = resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
+        config.freeze()
+        return DeepSpeedLearnerGroup(config=config, module_spec=rl_module_spec)
 
     def stability(self, **kwargs) -> "MoEPPOConfig":
         self.stability_settings.update(kwargs)
@@ -59,6 +91,7 @@ class MoEPPOConfig(PPOConfig):
     def validate(self) -> None:
         super().validate()
         validate_moe(self.moe_settings, num_learners=self.num_learners)
+        resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
 
 
 class MoEPPO(PPO):
@@ -68,3 +101,74 @@ class MoEPPO(PPO):
     @classmethod
     def get_default_config(cls) -> MoEPPOConfig:
         return MoEPPOConfig()
+
+    def training_step(self) -> None:
+        episodes = self._sample()
+        if not episodes:
+            return
+        learner_results = self._update(episodes)
+        self._sync_rollout_weights(set(learner_results[0]) - {ALL_MODULES})
+
+    def restore_from_path(self, path, *args, **kwargs):
+        super().restore_from_path(path, *args, **kwargs)
+        if hasattr(self.learner_group, "publish_weights"):  # RLlib's restore sync only knows its own group
+            self._sync_rollout_weights({"default_policy"})
+
+    # --- the three steps --------------------------------------------------------------------------
+    def _sample(self):
+        """Rollout actors step their envs with the inference copy (weights version v)."""
+        with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
+            by_agent = self.config.count_steps_by == "agent_steps"
+            episodes, runner_results = synchronous_parallel_sample(
+                worker_set=self.env_runner_group,
+                max_agent_steps=self.config.total_train_batch_size if by_agent else None,
+                max_env_steps=None if by_agent else self.config.total_train_batch_size,
+                sample_timeout_s=self.config.sample_timeout_s,
+                _uses_new_env_runners=True, _return_metrics=True)
+            if episodes:
+                self.metrics.aggregate(runner_results, key=ENV_RUNNER_RESULTS)
+        return episodes
+
+    def _update(self, episodes):
+        """PPO epochs on the learner group (RLlib's LearnerGroup or the DeepSpeed one)."""
+        with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
+            learner_results = self.learner_group.update(
+                episodes=episodes,
+                timesteps={
+                    NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
+                        (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME)),
+                    NUM_MODULE_STEPS_TRAINED_LIFETIME: self.metrics.peek(
+                        (LEARNER_RESULTS, ALL_MODULES, NUM_MODULE_STEPS_TRAINED_LIFETIME), default=0),
+                },
+                num_epochs=self.config.num_epochs,
+                minibatch_size=self.config.minibatch_size,
+                shuffle_batch_per_epoch=self.config.shuffle_batch_per_epoch,
+            )
+            self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
+        if hasattr(self.learner_group, "memory_stats"):
+            for rank, stats in enumerate(self.learner_group.memory_stats()):
+                for k, v in stats.items():
+                    self.metrics.log_value(("moe_rl", f"learner/{k}/rank{rank}"), v, window=1)
+        return learner_results
+
+    def _sync_rollout_weights(self, modules) -> None:
+        """Push version v+1 to the rollout actors. With the DeepSpeed group every learner
+        publishes its own shard and each rollout actor assembles them (strictly: a missing,
+        unknown or duplicated tensor is an error)."""
+        with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
+            if not hasattr(self.learner_group, "publish_weights"):
+                self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group,
+                                                   policies=modules, inference_only=True)
+                return
+            refs, seq_no = self.learner_group.publish_weights(), self.learner_group.weights_seq_no
+            self.env_runner_group.foreach_env_runner(
+                lambda runner: load_shards_into_runner(runner, refs, seq_no), local_env_runner=False)
+
+
+def load_shards_into_runner(runner, shard_refs, weights_seq_no: int) -> None:
+    """Runs on a rollout actor: assemble the learners' shards and load them (strict)."""
+    import ray
+
+    from .sharding import assemble_shards
+    state = assemble_shards(ray.get(shard_refs), runner.module.state_dict().keys())
+    runner.set_state({COMPONENT_RL_MODULE: state, WEIGHTS_SEQ_NO: weights_seq_no})

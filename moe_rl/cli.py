@@ -77,9 +77,11 @@ def train_loop(config, cfg, run) -> int:
     started_ray = False
     if not ray.is_initialized():
         if not os.environ.get("RAY_ADDRESS"):
-            # An embedded Ray binds loopback only.
+            # An embedded Ray binds loopback only, and offers at least the logical CPUs the
+            # config asks for (actors then share the cores; a smaller head would wait forever).
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            ray.init(include_dashboard=False, log_to_driver=False)
+            ray.init(include_dashboard=False, log_to_driver=False,
+                     num_cpus=max(os.cpu_count() or 1, logical_cpus_needed(config)))
         else:  # `ray job submit` or a user-provided cluster
             ray.init()
         started_ray = True
@@ -109,6 +111,13 @@ def train_loop(config, cfg, run) -> int:
             ray.shutdown()
     print(f"moe-rl: done; metrics in {os.path.join(run.path, 'metrics.parquet')}", flush=True)
     return 0
+
+
+def logical_cpus_needed(config) -> int:
+    def cpus(v):
+        return 1 if v == "auto" else v
+    return int(1 + config.num_env_runners * cpus(config.num_cpus_per_env_runner)
+               + config.num_learners * cpus(config.num_cpus_per_learner))
 
 
 def cmd_evaluate(args) -> int:

@@ -11,12 +11,26 @@ import yaml
 from .settings import ConfigError
 
 
-def load_policy(checkpoint: str, module_id: str = "default_policy"):
+def load_policy(checkpoint: str, cfg: dict, env, module_id: str = "default_policy"):
+    """The inference copy from a checkpoint: RLlib's RLModule directory, or (DeepSpeed learner
+    group) the per-learner shards, assembled strictly and loaded without unpickling code."""
+    import glob
+
     from ray.rllib.core.rl_module.rl_module import RLModule
+
+    from .rl_module import MoEPolicyModule
+    from .sharding import assemble_shards
     path = os.path.join(checkpoint, "learner_group", "learner", "rl_module", module_id)
-    if not os.path.isdir(path):
-        raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no RLModule at {path!r}")
-    return RLModule.from_checkpoint(path)
+    if os.path.isdir(path):
+        return RLModule.from_checkpoint(path)
+    shard_files = sorted(glob.glob(os.path.join(checkpoint, "learner_group", "module_shard_rank*.pt")))
+    if not shard_files:
+        raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds neither an RLModule nor learner shards")
+    module = MoEPolicyModule(observation_space=env.observation_space, action_space=env.action_space,
+                             model_config={"moe": cfg["moe"]}, inference_only=False)
+    shards = [torch.load(f, weights_only=True) for f in shard_files]
+    module.load_state_dict(assemble_shards(shards, module.state_dict().keys()), strict=True)
+    return module
 
 
 def _to_tensor(obs):
@@ -51,9 +65,9 @@ def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
         raise ConfigError(f"RUN_DIR: {run_dir!r} has no checkpoint under checkpoints/")
     with open(cfg_path) as f:
         cfg = yaml.safe_load(f)
-    module = load_policy(ckpt)
-    module.eval()
     env = gym.make(cfg["env"], **(cfg.get("env_config") or {}))
+    module = load_policy(ckpt, cfg, env)
+    module.eval()
     returns = []
     for ep in range(episodes):
         obs, _ = env.reset(seed=int(cfg.get("seed", 0)) + 10_000 + ep)

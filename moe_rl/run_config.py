@@ -28,12 +28,12 @@ from typing import Any, Dict, List, Optional
 
 import yaml
 
-from .settings import MOE_DEFAULTS, ConfigError, validate_moe
+from .settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
 
 BUILDER_SECTIONS = ("env_runners", "learners", "training")
 TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "stop_return": (int, float, type(None)),
              "checkpoint_every": int, "output": str}
-SECTIONS = BUILDER_SECTIONS + ("moe", "stability", "consistency")
+SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency")
 
 
 def default_config_path() -> str:
@@ -121,10 +121,12 @@ def validate_run_config(cfg: Dict[str, Any]):
             _check_numbers(section, values)
             getattr(config, section)(**values)
     config.moe(**(cfg.get("moe") or {}))
+    config.deepspeed(**(cfg.get("deepspeed") or {}))
     config.stability(**(cfg.get("stability") or {}))
     config.consistency(**(cfg.get("consistency") or {}))
     config.debugging(seed=cfg.get("seed", 0))
     validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
+    resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
     try:
         config.validate()
     except ValueError as e:  # RLlib's own checks: keep their message, one line
@@ -176,6 +178,7 @@ def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     """The fully resolved run config written to RUN_DIR/config.yaml."""
     out = {k: cfg[k] for k in TOP_LEVEL if k in cfg}
     out["moe"] = dict(config.moe_settings)
+    out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
     out["stability"] = dict(config.stability_settings)
     out["consistency"] = dict(config.consistency_settings)
     for section in BUILDER_SECTIONS:

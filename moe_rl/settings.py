@@ -6,7 +6,7 @@ bad value costs milliseconds and names the field and what is allowed.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from .moe import ACTIVATIONS, DISPATCH_PATHS, ROUTER_INITS, ROUTERS
 
@@ -33,6 +33,11 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "inference_dtype": "fp32", # numeric setup of the rollout (inference) copy
     "ep_size": 1,              # expert-parallel degree of the learner group
     "routing_replay": False,   # R3: learner replays the rollout's recorded top-k
+    # Trainer-only gating (DeepSpeed learner). Each is a training-inference mismatch source that
+    # DeepSpeed turns on by default; here they are off unless asked for.
+    "trainer_capacity_factor": None,          # None = dropless; else drop beyond the capacity
+    "trainer_second_expert_sampling": False,  # Gumbel-sample the 2nd expert (DeepSpeed default)
+    "trainer_random_token_selection": False,  # random survivors at capacity (DeepSpeed's RTS)
     "vf_hiddens": [64, 64],    # value network (kept outside the MoE)
     "max_seq_len": 64,         # token-sequence policies: context length of the transformer
     "num_heads": 4,            # token-sequence policies: attention heads
@@ -56,8 +61,9 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def validate_moe(s: Dict[str, Any], num_learners: int = 0) -> Dict[str, Any]:
-    """Check a full `moe` settings dict (defaults merged in); returns it. Field names are `moe.*`."""
+def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[str, Any]:
+    """Check a full `moe` settings dict (defaults merged in); returns it. Field names are `moe.*`.
+    num_learners=None skips the learner-layout check (inside a module, which has no layout)."""
     unknown = sorted(set(s) - set(MOE_DEFAULTS))
     _need(not unknown, f"moe.{unknown[0] if unknown else ''}", f"one of {sorted(MOE_DEFAULTS)}",
           unknown[0] if unknown else None)
@@ -83,8 +89,10 @@ def validate_moe(s: Dict[str, Any], num_learners: int = 0) -> Dict[str, Any]:
     _need(isinstance(s["shared_expert"], bool), "moe.shared_expert", "true or false", s["shared_expert"])
     _need(_is_num(s["expert_dropout"]) and 0 <= s["expert_dropout"] < 1, "moe.expert_dropout",
           "a number in [0, 1)", s["expert_dropout"])
-    cf = s["capacity_factor"]
-    _need(cf is None or (_is_num(cf) and cf > 0), "moe.capacity_factor", "None (dropless) or a number > 0", cf)
+    for f in ("capacity_factor", "trainer_capacity_factor"):
+        _need(s[f] is None or (_is_num(s[f]) and s[f] > 0), f"moe.{f}", "None (dropless) or a number > 0", s[f])
+    for f in ("trainer_second_expert_sampling", "trainer_random_token_selection"):
+        _need(isinstance(s[f], bool), f"moe.{f}", "true or false", s[f])
     _need(s["dispatch"] in DISPATCH_PATHS, "moe.dispatch", f"one of {DISPATCH_PATHS}", s["dispatch"])
     for f in ("aux_loss_coef", "z_loss_coef"):
         _need(_is_num(s[f]) and s[f] >= 0, f"moe.{f}", "a finite number >= 0", s[f])
@@ -93,10 +101,57 @@ def validate_moe(s: Dict[str, Any], num_learners: int = 0) -> Dict[str, Any]:
     ep = s["ep_size"]
     _need(_is_int(ep) and ep >= 1, "moe.ep_size", "an int >= 1", ep)
     _need(n % ep == 0, "moe.ep_size", f"a divisor of moe.num_experts={n}", ep)
-    _need(ep == 1 or (num_learners >= ep and num_learners % ep == 0), "moe.ep_size",
+    _need(ep == 1 or num_learners is None or (num_learners >= ep and num_learners % ep == 0), "moe.ep_size",
           f"a divisor of learners.num_learners={num_learners}", ep)
     _need(isinstance(s["routing_replay"], bool), "moe.routing_replay", "true or false", s["routing_replay"])
     vf = s["vf_hiddens"]
     _need(isinstance(vf, (list, tuple)) and all(_is_int(h) and h >= 1 for h in vf), "moe.vf_hiddens",
           "a list of ints >= 1", vf)
     return s
+
+
+DEEPSPEED_DEFAULTS: Dict[str, Any] = {
+    "enabled": None,             # None: on when moe.ep_size > 1 or a DeepSpeed config is given
+    "config": {},                # DeepSpeed config dict (or a JSON file path), passed to deepspeed.initialize
+    "learner_resources": {},     # extra resources per learner bundle, e.g. {"moe_learner": 1}
+    "num_threads": 1,            # torch intra-op threads per learner process
+    "placement_strategy": "PACK",
+    "placement_timeout_s": 600,
+}
+
+
+def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int) -> Dict[str, Any]:
+    """Validate `deepspeed.*` and resolve `enabled` and a JSON config path. Field names: deepspeed.*"""
+    import json
+    unknown = sorted(set(d) - set(DEEPSPEED_DEFAULTS))
+    _need(not unknown, f"deepspeed.{unknown[0] if unknown else ''}", f"one of {sorted(DEEPSPEED_DEFAULTS)}",
+          unknown[0] if unknown else None)
+    d = {**DEEPSPEED_DEFAULTS, **d}
+    cfg = d["config"]
+    if isinstance(cfg, str):
+        try:
+            with open(cfg) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"deepspeed.config: must be a dict or a readable JSON file, got {d['config']!r} ({e})")
+    _need(isinstance(cfg, dict), "deepspeed.config", "a dict or a JSON file path", cfg)
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    _need(stage in (0, 1, 2), "deepspeed.config.zero_optimization.stage", "0, 1 or 2 (dense part only)", stage)
+    d["config"] = cfg
+    enabled = d["enabled"]
+    _need(enabled is None or isinstance(enabled, bool), "deepspeed.enabled", "true, false or null", enabled)
+    if enabled is None:
+        enabled = moe["ep_size"] > 1 or bool(cfg)
+    _need(not enabled or num_learners >= 1, "learners.num_learners",
+          "an int >= 1 when the DeepSpeed learner group is used", num_learners)
+    _need(not (moe["ep_size"] > 1 and not enabled), "deepspeed.enabled", "true (or null) when moe.ep_size > 1",
+          enabled)
+    d["enabled"] = enabled
+    _need(isinstance(d["learner_resources"], dict) and all(
+        _is_num(v) and v >= 0 for v in d["learner_resources"].values()), "deepspeed.learner_resources",
+        "a mapping of resource name -> amount >= 0", d["learner_resources"])
+    _need(_is_int(d["num_threads"]) and d["num_threads"] >= 1, "deepspeed.num_threads", "an int >= 1",
+          d["num_threads"])
+    _need(d["placement_strategy"] in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+          "deepspeed.placement_strategy", "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD", d["placement_strategy"])
+    return d

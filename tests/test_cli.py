@@ -71,3 +71,21 @@ def test_unwritable_output_is_a_clear_error(tmp_path):
     blocker.write_text("x")
     p = moe_rl("train", "--output", str(blocker / "run"), timeout=120)
     assert p.returncode == 2 and "output: cannot write the run directory" in p.stderr
+
+
+def test_train_with_deepspeed_expert_parallel_learners(tmp_path):
+    """`moe-rl train --num-learners 2 --ep-size 2`: DeepSpeed learner group from the CLI; the
+    run's checkpoint evaluates from the learners' shards."""
+    out = tmp_path / "ep2"
+    p = moe_rl("train", "--iterations", "2", "--output", str(out), "--num-learners", "2", "--ep-size", "2",
+               "--set", "training.train_batch_size_per_learner=300", "--set", "training.minibatch_size=100",
+               "--set", "moe.num_experts=4", "--set", "stop_return=null")
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = pq.read_table(out / "metrics.parquet")
+    assert table.num_rows == 2
+    assert "learner/expert_param_bytes/rank1" in table.column_names
+    ckpt = out / "checkpoints" / "iter_000002" / "learner_group"
+    assert sorted(f for f in os.listdir(ckpt) if f.startswith("module_shard")) == [
+        "module_shard_rank0.pt", "module_shard_rank1.pt"]
+    p = moe_rl("evaluate", str(out), "--episodes", "1", timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]

@@ -1,0 +1,148 @@
+"""DeepSpeed-MoE layers for the learner: expert parallelism with moe_rl's routers.
+
+`DeepSpeedMoE` replaces a core `MoELayer` inside the learner's policy. Tokens travel to their
+experts through DeepSpeed's MOELayer (sparse dispatch + all-to-all over the expert-parallel
+group); the gate is `RoutedGate`, which runs the *same* moe_rl Router as the rollout copy, so
+routing math is identical on both sides unless a trainer-only option below is switched on.
+
+Trainer-only gating options (each a real training-inference mismatch, off by default so the
+consistency checks can measure them one at a time):
+    second_expert_sampling   DeepSpeed's default: Gumbel-sample the 2nd expert.
+    capacity_factor          drop assignments beyond ceil(cf * T * k / N) per expert.
+    random_token_selection   with a capacity, pick survivors at random instead of by position.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.moe.layer import MoE
+from torch import nn
+
+from moe_rl.losses import load_balancing_loss
+from moe_rl.moe import MoELayer, Router
+
+
+class RoutedGate(nn.Module):
+    """DeepSpeed MOELayer gate (sparse-route contract of deepspeed 0.19) around a moe_rl Router.
+
+    forward(x [S, d], used_token, sparse_routes, use_tutel) ->
+        (l_aux, capacity, E, indices [k, S] int32 (-1 = dropped), locations [k, S], gates [k, S], counts [E])
+    The RoutingRecord of the call is kept in `last_record` for losses, metrics and drift checks.
+    """
+
+    def __init__(self, router: Router, num_experts: int, *, capacity_factor: Optional[float] = None,
+                 second_expert_sampling: bool = False, random_token_selection: bool = False,
+                 expert_dropout: float = 0.0):
+        super().__init__()
+        self.router, self.num_experts = router, num_experts
+        self.capacity_factor = capacity_factor
+        self.second_expert_sampling = second_expert_sampling
+        self.random_token_selection = random_token_selection
+        self.expert_dropout = expert_dropout
+        self.ep_group = None
+        self.replay = self.task_ids = self.last_record = None
+
+    def _set_ep_group(self, group) -> None:
+        self.ep_group = group
+
+    def _agree(self, value: torch.Tensor) -> torch.Tensor:
+        """Max over the expert-parallel group: every rank must size its buffers alike."""
+        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return value
+
+    def _sample_second_expert(self, rec) -> None:
+        with torch.no_grad():
+            u = torch.rand_like(rec.router_logits).clamp_(1e-9, 1 - 1e-9)
+            noisy = rec.router_logits - torch.log(-torch.log(u))
+            noisy = noisy.scatter(1, rec.top_k_indices[:, :1], float("-inf"))
+            rest = noisy.topk(rec.top_k_indices.shape[1] - 1, dim=-1).indices
+            rec.top_k_indices = torch.cat([rec.top_k_indices[:, :1], rest], 1)
+        chosen = rec.router_logits.gather(1, rec.top_k_indices)
+        rec.gate_weights = chosen.softmax(-1) if self.router.normalize_gates else \
+            (chosen - rec.router_logits.logsumexp(-1, keepdim=True)).exp()
+
+    def forward(self, x, used_token=None, sparse_routes=True, use_tutel=False):
+        rec = self.router(x, replay_indices=self.replay, task_ids=self.task_ids)
+        if self.second_expert_sampling and self.training and self.replay is None and rec.top_k_indices.shape[1] > 1:
+            self._sample_second_expert(rec)
+        idx, gates = rec.top_k_indices, rec.gate_weights
+        S, k = idx.shape
+        order = torch.arange(S, device=x.device)
+        if self.random_token_selection and self.capacity_factor is not None and self.training:
+            order = torch.randperm(S, device=x.device)  # who gets a capacity slot first
+        slot_major = idx[order].t().reshape(-1)                     # all 1st choices before 2nd
+        one_hot = F.one_hot(slot_major, self.num_experts)
+        position = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1)
+        locations = torch.empty_like(position.view(k, S)).index_copy_(1, order, position.view(k, S))
+        counts = one_hot.sum(0)
+        if self.capacity_factor is None:   # dropless: the largest expert load in the group
+            capacity = self._agree(counts.max().clone())
+            keep = torch.ones_like(locations, dtype=torch.bool)
+        else:
+            capacity = self._agree(torch.tensor(math.ceil(self.capacity_factor * S * k / self.num_experts)))
+            keep = locations < capacity
+            rec.dropped = ~keep.t()
+        weights = gates * keep.t()
+        if self.training and self.expert_dropout > 0:
+            weights = weights * (torch.rand_like(weights) >= self.expert_dropout) / (1 - self.expert_dropout)
+        self.last_record = rec
+        l_aux = load_balancing_loss(rec.router_probs, idx)
+        indices = torch.where(keep, idx.t(), torch.full_like(idx.t(), -1))
+        return (l_aux, capacity, self.num_experts, indices.int(), (locations * keep).int(),
+                weights.t().float(), counts)
+
+
+class DeepSpeedMoE(nn.Module):
+    """Expert-parallel stand-in for a core MoELayer: same forward contract
+    (x, replay_indices, task_ids) -> (y, RoutingRecord), experts sharded over ep_size ranks."""
+
+    def __init__(self, layer: MoELayer, ep_size: int, ep_rank: int, *, capacity_factor=None,
+                 second_expert_sampling=False, random_token_selection=False):
+        super().__init__()
+        self.d_model, self.num_experts = layer.d_model, layer.num_experts
+        self.num_local = layer.num_experts // ep_size
+        template = copy.deepcopy(layer.experts.experts[0])
+        self.ds = MoE(layer.d_model, template, num_experts=layer.num_experts, ep_size=ep_size, k=layer.top_k,
+                      drop_tokens=capacity_factor is not None, use_rts=False, top2_2nd_expert_sampling=False)
+        self.ds.deepspeed_moe.gate = RoutedGate(
+            layer.router, layer.num_experts, capacity_factor=capacity_factor,
+            second_expert_sampling=second_expert_sampling, random_token_selection=random_token_selection,
+            expert_dropout=layer.expert_dropout)
+        # This rank's experts start from the matching global experts of the layer it replaces.
+        for i, expert in enumerate(self.ds.deepspeed_moe.experts.deepspeed_experts):
+            expert.load_state_dict(layer.experts.experts[ep_rank * self.num_local + i].state_dict())
+        self.shared_expert = layer.shared_expert
+
+    @property
+    def gate(self) -> RoutedGate:
+        return self.ds.deepspeed_moe.gate
+
+    def forward(self, x, replay_indices=None, task_ids=None):
+        flat = x.reshape(-1, self.d_model)
+        gate = self.gate
+        gate.replay, gate.task_ids = replay_indices, task_ids
+        try:
+            y = self.ds(flat)[0]
+            rec = gate.last_record
+        finally:
+            gate.replay = gate.task_ids = gate.last_record = None
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(flat)
+        return y.reshape(x.shape), rec
+
+
+def shard_moe_layers(model: nn.Module, ep_size: int, ep_rank: int, **gating) -> int:
+    """Replace every core MoELayer under `model` by a DeepSpeedMoE in place; returns the count."""
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, MoELayer):
+                setattr(module, child_name, DeepSpeedMoE(child, ep_size, ep_rank, **gating))
+                replaced += 1
+    return replaced
