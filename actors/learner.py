@@ -96,14 +96,15 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
 
     # --- expert-parallel views of the module ------------------------------------------------------
     def module_shard(self, module_id: str = "default_policy", inference_only: bool = True,
-                     include_dense: Optional[bool] = None) -> Dict[str, Any]:
+                     include_dense: Optional[bool] = None, everything: bool = False) -> Dict[str, Any]:
         """This learner's part of the full state, under global (rollout-copy) names, as numpy.
         Experts: only the first replica of each expert-parallel rank publishes. Dense tensors:
-        only global rank 0 (they are identical everywhere)."""
+        only global rank 0 (they are identical everywhere). everything=True: all it holds (for
+        the replica-divergence check)."""
         rank = dist.get_rank()
         if include_dense is None:
-            include_dense = rank == 0
-        publishes_experts = rank < self.ep_size
+            include_dense = rank == 0 or everything
+        publishes_experts = rank < self.ep_size or everything
         module = self._module[module_id]
         skip = tuple(module.get_non_inference_attributes()) if inference_only else ()
         out = {}
@@ -169,8 +170,8 @@ class LearnerActor:
     def update(self, **kwargs):
         return self.learner.update(**kwargs)
 
-    def module_shard(self, inference_only: bool = True):
-        return self.learner.module_shard(inference_only=inference_only)
+    def module_shard(self, inference_only: bool = True, everything: bool = False):
+        return self.learner.module_shard(inference_only=inference_only, everything=everything)
 
     def load_global_state(self, state) -> None:
         self.learner.load_global_state(state)

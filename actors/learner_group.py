@@ -87,6 +87,10 @@ class DeepSpeedLearnerGroup(Checkpointable):
         """One object ref per learner; each holds that learner's shard under global names."""
         return [w.module_shard.remote(inference_only) for w in self._workers]
 
+    def publish_replicas(self, inference_only: bool = True) -> List[ray.ObjectRef]:
+        """Every learner's complete local state (global names), for the replica check."""
+        return [w.module_shard.remote(inference_only, True) for w in self._workers]
+
     def full_module_state(self, inference_only: bool = True, expected_keys=None) -> Dict[str, Any]:
         shards = ray.get(self.publish_weights(inference_only))
         if expected_keys is None:

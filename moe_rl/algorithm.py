@@ -73,6 +73,8 @@ class MoEPPOConfig(PPOConfig):
         return self
 
     def consistency(self, **kwargs) -> "MoEPPOConfig":
+        """Drift checks and the sync gate: every, policy (warn|hold|rollback), thresholds, ...
+        (see moe_rl.consistency.CONSISTENCY_DEFAULTS)."""
         self.consistency_settings.update(kwargs)
         return self
 
@@ -92,6 +94,8 @@ class MoEPPOConfig(PPOConfig):
         super().validate()
         validate_moe(self.moe_settings, num_learners=self.num_learners)
         resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
+        from .consistency import validate_consistency
+        validate_consistency(self.consistency_settings)
 
 
 class MoEPPO(PPO):
@@ -102,12 +106,54 @@ class MoEPPO(PPO):
     def get_default_config(cls) -> MoEPPOConfig:
         return MoEPPOConfig()
 
+    def setup(self, config) -> None:
+        super().setup(config)
+        from .consistency import validate_consistency
+        settings = validate_consistency(self.config.consistency_settings)
+        self.sync_gate = None
+        if settings["enabled"]:
+            from .sync_gate import SyncGate
+            discrete = hasattr(self.env_runner_group.foreach_env_runner(
+                lambda r: r.module.action_space, local_env_runner=self.config.num_env_runners == 0)[0], "n")
+            self.sync_gate = SyncGate(self, settings, self.config.moe_settings["inference_dtype"], discrete)
+            self.sync_gate.snapshot()
+
+    def cleanup(self) -> None:
+        if getattr(self, "sync_gate", None) is not None:
+            self.sync_gate.close()
+        super().cleanup()
+
     def training_step(self) -> None:
         episodes = self._sample()
         if not episodes:
             return
+        gate = self.sync_gate
+        check = gate is not None and self.iteration % gate.s["every"] == 0
+        if check:
+            gate.before_update(episodes)          # trainer view + parameter divergence, weights v
         learner_results = self._update(episodes)
+        if check:
+            decision = self._log_check(gate.after_update())
+            if decision == "rollback":            # learners back to the last good state, no sync
+                gate.restore()
+                return
+            if decision == "hold":                # rollouts stay on the last good weights
+                return
         self._sync_rollout_weights(set(learner_results[0]) - {ALL_MODULES})
+        if check:
+            gate.snapshot()
+
+    def _log_check(self, result) -> str:
+        row = result["row"]
+        headline = {"drift/" + k: row[k] for k in ("k1", "k3", "max_abs_logp_diff", "routing_agreement",
+                                                     "param_max_diff", "k3_old_new", "probe_flip_rate") if k in row}
+        headline["drift/decision"] = result["decision"]
+        for k, v in headline.items():
+            if isinstance(v, str):
+                self.metrics.log_value(("moe_rl", k), v, reduce="item")
+            else:
+                self.metrics.log_value(("moe_rl", k), v, window=1)
+        return result["decision"]
 
     def restore_from_path(self, path, *args, **kwargs):
         super().restore_from_path(path, *args, **kwargs)

@@ -68,6 +68,8 @@ def cmd_train(args) -> int:
         run = RunDir(out, resolved(cfg, config))
     except OSError as e:
         return _fail(str(e))
+    if config.consistency_settings.get("ledger_path") is None:
+        config.consistency(ledger_path=os.path.join(run.path, "drift.parquet"))
     return train_loop(config, cfg, run)
 
 

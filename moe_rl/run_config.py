@@ -127,6 +127,8 @@ def validate_run_config(cfg: Dict[str, Any]):
     config.debugging(seed=cfg.get("seed", 0))
     validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
     resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
+    from .consistency import validate_consistency
+    validate_consistency(config.consistency_settings)
     try:
         config.validate()
     except ValueError as e:  # RLlib's own checks: keep their message, one line
@@ -180,7 +182,8 @@ def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     out["moe"] = dict(config.moe_settings)
     out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
     out["stability"] = dict(config.stability_settings)
-    out["consistency"] = dict(config.consistency_settings)
+    from .consistency import validate_consistency
+    out["consistency"] = validate_consistency(config.consistency_settings)
     for section in BUILDER_SECTIONS:
         out[section] = {}
         for k in sorted(_builder_params(config, section)):
