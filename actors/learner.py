@@ -61,7 +61,7 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
         groups = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "params"})
         ds_user = self.config.deepspeed_settings.get("config") or {}
         lr = config.lr if isinstance(config.lr, (int, float)) else 1e-3  # schedules set it each step
-        optimizer = None if "optimizer" in ds_user else torch.optim.Adam(groups, lr=lr)
+        optimizer = None if "optimizer" in ds_user else torch.optim.Adam(groups, lr=lr, foreach=True)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
             config=deepspeed_config(ds_user, config.minibatch_size or config.train_batch_size_per_learner,

@@ -3,7 +3,9 @@ DeepSpeed's MoE layer (capacity 1.25 and dropless), same shapes, same process, s
 
     .venv/bin/python bench/bench_moe_layer.py [--quick] [--json OUT]
 
-Prints one row per (N, k, tokens): tokens/s of each, and the ratios that BENCHMARKS.md reports.
+Prints one row per (N, k, tokens): tokens/s of each (forward+backward), the ratios that
+BENCHMARKS.md reports, and for <= 64 tokens the forward-only (no autograd) latency ratio
+moe/dense, which is what a rollout actor pays per step.
 """
 import argparse
 import json
@@ -29,7 +31,7 @@ def timed(fn, min_time=0.4, warmup=2):
     return statistics.median(reps)
 
 
-def fwd_bwd(module, x, unpack=False):
+def fwd_bwd(module, x):
     def run():
         out = module(x)
         y = out[0] if isinstance(out, tuple) else out
@@ -49,14 +51,12 @@ def deepspeed_layers(n, k):
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
     expert = torch.nn.Sequential(torch.nn.Linear(D, FF), torch.nn.GELU(), torch.nn.Linear(FF, D))
-    cap = MoE(D, expert, num_experts=n, ep_size=1, k=k, capacity_factor=1.25, eval_capacity_factor=1.25,
+    cap = MoE(D, expert, num_experts=n, ep_size=1, k=k, capacity_factor=1.25, eval_capacity_factor=1.25, min_capacity=0,
               drop_tokens=True, use_rts=False, top2_2nd_expert_sampling=False)
-    dropless = MoE(D, expert, num_experts=n, ep_size=1, k=k, drop_tokens=False, use_rts=False,
+    dropless = MoE(D, expert, num_experts=n, ep_size=1, k=k, drop_tokens=False, use_rts=False, min_capacity=0,
                    top2_2nd_expert_sampling=False)
-    from deepspeed.utils import groups
-    if hasattr(cap, "set_deepspeed_parallelism"):
-        cap.set_deepspeed_parallelism()
-        dropless.set_deepspeed_parallelism()
+    cap.set_deepspeed_parallelism()  # without deepspeed.initialize, the gate needs its group
+    dropless.set_deepspeed_parallelism()
     return cap, dropless
 
 
@@ -72,7 +72,7 @@ def main():
     ks = [2] if args.quick else [1, 2]
     tokens = [1, 64, 4096]
     rows = []
-    hdr = f"{'N':>3} {'k':>2} {'tokens':>6} {'moe tok/s':>11} {'dense tok/s':>11} {'moe/dense':>9} {'ds_cap/dense':>12} {'ds_drop/dense':>13} {'moe/ds_cap':>10} {'moe/ds_drop':>11} {'lat moe/dense':>13}"
+    hdr = f"{'N':>3} {'k':>2} {'tokens':>6} {'moe tok/s':>11} {'dense tok/s':>11} {'moe/dense':>9} {'ds_cap/dense':>12} {'ds_drop/dense':>13} {'moe/ds_cap':>10} {'moe/ds_drop':>11} {'lat moe/dense':>13} {'fwd-only lat':>12}"
     print(hdr)
     for n in experts:
         for k in ks:
@@ -88,12 +88,17 @@ def main():
                     xb = x.unsqueeze(0)
                     r["ds_cap_s"] = timed(fwd_bwd(ds[0], xb))
                     r["ds_dropless_s"] = timed(fwd_bwd(ds[1], xb))
+                if t <= 64:  # rollout regime: forward only, no autograd
+                    with torch.no_grad():
+                        r["moe_fwd_s"] = timed(lambda: moe(x))
+                        r["dense_fwd_s"] = timed(lambda: dense(x))
                 rows.append(r)
                 ratio = lambda a, b: r[b] / r[a] if a in r and b in r else float("nan")
                 print(f"{n:>3} {k:>2} {t:>6} {t / r['moe_s']:>11.0f} {t / r['dense_s']:>11.0f} "
                       f"{ratio('moe_s', 'dense_s'):>9.2f} {ratio('ds_cap_s', 'dense_s'):>12.2f} "
                       f"{ratio('ds_dropless_s', 'dense_s'):>13.2f} {ratio('moe_s', 'ds_cap_s'):>10.2f} "
-                      f"{ratio('moe_s', 'ds_dropless_s'):>11.2f} {r['moe_s'] / r['dense_s']:>13.2f}", flush=True)
+                      f"{ratio('moe_s', 'ds_dropless_s'):>11.2f} {r['moe_s'] / r['dense_s']:>13.2f} "
+                      f"{r['moe_fwd_s'] / r['dense_fwd_s'] if 'moe_fwd_s' in r else float('nan'):>12.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

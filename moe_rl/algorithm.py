@@ -21,6 +21,8 @@ from ray.rllib.utils.metrics import (ALL_MODULES, ENV_RUNNER_RESULTS, ENV_RUNNER
                                      NUM_MODULE_STEPS_TRAINED_LIFETIME, SYNCH_WORKER_WEIGHTS_TIMER, TIMERS,
                                      WEIGHTS_SEQ_NO)
 
+import envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that loads this config
+
 from .settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
 
 

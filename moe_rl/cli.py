@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--ep-size", type=int)
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. moe.num_experts=16 or training.lr=1e-4")
+    d = sub.add_parser("drift-study", help="K3 between rollout copy and trainer by sequence length")
+    d.add_argument("--source", default="bf16", help="mismatch source: none, bf16, capacity, second_expert")
+    d.add_argument("--lengths", default="64,128,256,512,1024", help="comma-separated sequence lengths (8..1024)")
+    d.add_argument("--seeds", default="0", help="comma-separated seeds (repeats per length)")
+    d.add_argument("--output", default="runs/drift-study")
     e = sub.add_parser("evaluate", help="load a run's last checkpoint and report the mean return")
     e.add_argument("run_dir")
     e.add_argument("--episodes", type=int, default=10)
@@ -133,9 +138,25 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
+def cmd_drift_study(args) -> int:
+    from .drift_study import SOURCES, run_study
+    if args.source not in SOURCES:
+        return _fail(f"--source: must be one of {tuple(SOURCES)}, got {args.source!r}")
+    try:
+        lengths = [int(v) for v in args.lengths.split(",")]
+        seeds = [int(v) for v in args.seeds.split(",")]
+    except ValueError:
+        return _fail(f"--lengths/--seeds: must be comma-separated ints, got {args.lengths!r} / {args.seeds!r}")
+    if not all(8 <= L <= 1024 for L in lengths):
+        return _fail(f"--lengths: must be in [8, 1024], got {lengths}")
+    run_study(lengths, args.source, seeds, args.output)
+    print(f"moe-rl: drift study in {args.output}/drift_study.parquet and drift_study.svg")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    return {"train": cmd_train, "evaluate": cmd_evaluate}[args.command](args)
+    return {"train": cmd_train, "evaluate": cmd_evaluate, "drift-study": cmd_drift_study}[args.command](args)
 
 
 if __name__ == "__main__":

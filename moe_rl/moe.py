@@ -22,12 +22,14 @@ from torch import nn
 
 ROUTERS = ("topk", "sinkhorn", "bias", "task", "reinforce")
 ROUTER_INITS = ("normal", "uniform", "torch")
-DISPATCH_PATHS = ("auto", "sorted", "dense", "gather")
+DISPATCH_PATHS = ("auto", "sorted", "batched", "gather", "dense")
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh}
 
-# Below this many (token, slot) assignments the "auto" dispatch uses the gather path: one batched
-# matmul over the gathered expert weights beats launching per-expert matmuls (bench/bench_moe_layer.py).
+# "auto" dispatch (bench/bench_moe_layer.py): without autograd (rollouts), gather the chosen experts'
+# weights from a cached stack and run one bmm pair while the gathered weights stay small; with
+# autograd, a per-assignment loop for a handful of assignments, else sort-by-expert.
 TINY_BATCH_ASSIGNMENTS = 4
+BATCHED_MAX_ELEMENTS = 1 << 17   # T*k*d*F: gathered-weight elements the batched path may copy
 
 
 def _check(cond: bool, name: str, allowed: str, got) -> None:
@@ -259,6 +261,22 @@ class Experts(nn.Module):
     def __len__(self):
         return len(self.experts)
 
+    def stacked(self):
+        """(w1 [N, d, F], b1 [N, F], w2 [N, F, d], b2 [N, d]). Without autograd the stack is cached
+        until any expert parameter changes (in-place updates bump tensor versions)."""
+        params = [t for e in self.experts for t in (e.fc1.weight, e.fc1.bias, e.fc2.weight, e.fc2.bias)]
+        if torch.is_grad_enabled():
+            return self._stack(params)
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if getattr(self, "_stack_key", None) != key:
+            self._stack_cache, self._stack_key = self._stack(params), key
+        return self._stack_cache
+
+    @staticmethod
+    def _stack(params):
+        w1, b1, w2, b2 = (torch.stack(params[i::4]) for i in range(4))
+        return w1.transpose(1, 2), b1, w2.transpose(1, 2), b2
+
     # --- dispatch paths: all compute y[t] = sum_j w[t, j] * expert_{idx[t, j]}(x[t]) ---------------
     def sorted_dispatch(self, x, idx, w):
         """Group assignments by expert (one argsort), one gather, one matmul pair per active expert,
@@ -287,6 +305,17 @@ class Experts(nn.Module):
             ys = torch.cat([self.experts[e](xt) for e in experts])               # [k, d]
             rows.append(w[t:t + 1] @ ys)                                        # [1, d]
         return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def batched_dispatch(self, x, idx, w):
+        """Gather each assignment's expert weights (from the cached stack) and run one bmm pair:
+        a fixed dozen ops whatever T and N, for rollout-sized batches."""
+        T, k = idx.shape
+        w1, b1, w2, b2 = self.stacked()
+        flat = idx.reshape(-1)
+        xr = x.repeat_interleave(k, dim=0).unsqueeze(1)                                 # [T*k, 1, d]
+        h = self.experts[0].act(torch.baddbmm(b1[flat].unsqueeze(1), xr, w1[flat]))
+        y = torch.baddbmm(b2[flat].unsqueeze(1), h, w2[flat]).squeeze(1)                # [T*k, d]
+        return (y.view(T, k, -1) * w.unsqueeze(-1).to(x.dtype)).sum(1)
 
     def dense_dispatch(self, x, idx, w):
         """Run every expert on every token, then combine: the reference path (N/k times the work)."""
@@ -332,7 +361,7 @@ class MoELayer(nn.Module):
         _check(dispatch in DISPATCH_PATHS, "dispatch", f"one of {DISPATCH_PATHS}", dispatch)
         d_ff = d_ff or 4 * d_model
         _check(isinstance(d_ff, int) and d_ff >= 1, "d_ff", "an int >= 1", d_ff)
-        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        self.d_model, self.num_experts, self.top_k, self.d_ff = d_model, num_experts, top_k, d_ff
         self.capacity_factor, self.expert_dropout, self.dispatch = capacity_factor, expert_dropout, dispatch
         self.router = build_router(router, d_model, num_experts, top_k, temperature=temperature,
                                    init=router_init, init_std=router_init_std,
@@ -354,6 +383,8 @@ class MoELayer(nn.Module):
     def dispatch_path(self, num_assignments: int) -> str:
         if self.dispatch != "auto":
             return self.dispatch
+        if not torch.is_grad_enabled() and num_assignments * self.d_model * self.d_ff <= BATCHED_MAX_ELEMENTS:
+            return "batched"
         return "gather" if num_assignments <= TINY_BATCH_ASSIGNMENTS else "sorted"
 
     def forward(self, x: torch.Tensor, replay_indices: Optional[torch.Tensor] = None,

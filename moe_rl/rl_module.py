@@ -48,7 +48,7 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             vf_in = int(np.prod(obs_space["tokens"].shape)) + 1
         else:
             obs_dim = int(np.prod(obs_space.shape))
-            self.trunk = MoEMLPTrunk(obs_dim, s, self.model_config.get("task_slice"))
+            self.trunk = MoEMLPTrunk(obs_dim, s, s["task_slice"])
             vf_in = obs_dim
         if isinstance(self.action_space, gym.spaces.Discrete):
             self.pi = nn.Linear(s["d_model"], int(self.action_space.n))

@@ -39,6 +39,7 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "trainer_second_expert_sampling": False,  # Gumbel-sample the 2nd expert (DeepSpeed default)
     "trainer_random_token_selection": False,  # random survivors at capacity (DeepSpeed's RTS)
     "vf_hiddens": [64, 64],    # value network (kept outside the MoE)
+    "task_slice": None,        # [start, num_tasks]: one-hot task id inside vector obs (router "task")
     "max_seq_len": 64,         # token-sequence policies: context length of the transformer
     "num_heads": 4,            # token-sequence policies: attention heads
 }
@@ -83,9 +84,13 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     _need(s["router_init_std"] is None or (_is_num(s["router_init_std"]) and s["router_init_std"] > 0),
           "moe.router_init_std", "None or a finite number > 0", s["router_init_std"])
     _need(isinstance(s["router_kwargs"], dict), "moe.router_kwargs", "a mapping", s["router_kwargs"])
+    ts = s["task_slice"]
+    _need(ts is None or (isinstance(ts, (list, tuple)) and len(ts) == 2 and all(_is_int(v) and v >= 0 for v in ts)
+                         and ts[1] >= 1), "moe.task_slice", "null or [start, num_tasks]", ts)
     if s["router"] == "task":
         nt = s["router_kwargs"].get("num_tasks")
         _need(_is_int(nt) and nt >= 1, "moe.router_kwargs.num_tasks", "an int >= 1 for router 'task'", nt)
+        _need(ts is not None and ts[1] == nt, "moe.task_slice", f"[start, {nt}] for router 'task'", ts)
     _need(isinstance(s["shared_expert"], bool), "moe.shared_expert", "true or false", s["shared_expert"])
     _need(_is_num(s["expert_dropout"]) and 0 <= s["expert_dropout"] < 1, "moe.expert_dropout",
           "a number in [0, 1)", s["expert_dropout"])

@@ -215,3 +215,25 @@ def test_wrong_expert_mapping_is_caught_and_rolled_back(ray_local):
             assert all(torch.equal(a[k], b[k]) for a, b in zip(ra, rb) for k in a)
     finally:
         algo.stop()
+
+
+def test_tis_reweights_advantages_and_is_reported(ray_local):
+    """TIS on: the learner's PPO ratio is taken against its own pre-update log-probs, advantages
+    carry min(pi_train/pi_inf, C); with a bf16 copy the weights differ from 1 but stay <= C."""
+    algo = config(ep_size=1, inference_dtype="bf16").consistency(tis_cap=1.5).build_algo()
+    try:
+        learner = algo.train()["learners"]["default_policy"]
+        assert 0.5 < learner["tis/mean_weight"] <= 1.5 and learner["tis/mean_weight"] != 1.0
+        assert 0.0 <= learner["tis/truncated_share"] <= 1.0
+        assert algo.sync_gate.ledger()[-1]["k3"] > 0  # the same ledger measures the mismatch
+    finally:
+        algo.stop()
+
+
+def test_drift_study_reports_k3_by_length(ray_local, tmp_path):
+    from moe_rl.drift_study import run_study
+    rows = run_study([8, 16], "bf16", [0], str(tmp_path))
+    assert [r["seq_len"] for r in rows] == [8, 16]
+    assert all(r["k3"] > 0 for r in rows)  # bf16 inference copy: measurable, non-zero
+    assert pq.read_table(tmp_path / "drift_study.parquet").num_rows == 2
+    assert (tmp_path / "drift_study.svg").read_text().startswith("<svg")
