@@ -59,6 +59,10 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False)
+    # Stock PPO's EnvRunners never import moe_rl: register the env with Ray's registry, which
+    # ships the creator to them (MoEPPOConfig registers the moe_rl/ ids itself).
+    from ray.tune.registry import register_env
+    register_env("moe_rl/MultiTask-v0", lambda c: __import__("envs").MultiTaskEnv(**c))
     rows = []
     for name in ("stock_ppo", "moe_ppo"):
         if name == "moe_ppo":
@@ -77,7 +81,7 @@ def main():
                      "expert_usage_layer0_per_task": usage})
         print(f"{name:>9}: final train return {curve[-1]:.2f}/32, greedy eval per task {per_task}", flush=True)
         for task, u in usage.items():
-            print(f"           task {task} expert shares (layer 0, 1st choice): {u}")
+            print(f"           task {task} expert shares (layer 0, both top-2 assignments): {u}")
     ray.shutdown()
     if args.json:
         with open(args.json, "w") as f:

@@ -29,7 +29,7 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tan
 # weights from a cached stack and run one bmm pair while the gathered weights stay small; with
 # autograd, a per-assignment loop for a handful of assignments, else sort-by-expert.
 TINY_BATCH_ASSIGNMENTS = 4
-BATCHED_MAX_ELEMENTS = 1 << 17   # T*k*d*F: gathered-weight elements the batched path may copy
+BATCHED_MAX_ELEMENTS = 1 << 16   # T*k*d*F: gathered-weight elements the batched path may copy
 
 
 def _check(cond: bool, name: str, allowed: str, got) -> None:
@@ -275,7 +275,7 @@ class Experts(nn.Module):
     @staticmethod
     def _stack(params):
         w1, b1, w2, b2 = (torch.stack(params[i::4]) for i in range(4))
-        return w1.transpose(1, 2), b1, w2.transpose(1, 2), b2
+        return w1.transpose(1, 2).contiguous(), b1, w2.transpose(1, 2).contiguous(), b2
 
     # --- dispatch paths: all compute y[t] = sum_j w[t, j] * expert_{idx[t, j]}(x[t]) ---------------
     def sorted_dispatch(self, x, idx, w):
