@@ -12,7 +12,6 @@ the Parquet ledger (RUN_DIR/drift.parquet).
 from __future__ import annotations
 
 import json
-import math
 import time
 from typing import Any, Dict, List, Optional
 
@@ -22,7 +21,7 @@ import torch
 from moe_rl.consistency import (breaches, drift_by_position, drift_metrics, format_breach, gate_decision,
                                 param_divergence, policy_kl, routing_agreement, thresholds, update_size)
 from moe_rl.metrics import flip_rate
-from moe_rl.sharding import assemble_shards, is_expert_param
+from moe_rl.sharding import assemble_shards
 
 BF16_RTOL = 2.0 ** -8  # a bf16 copy rounds every weight by up to half an ulp (8 mantissa bits)
 

@@ -140,7 +140,7 @@ class DeepSpeedMoE(nn.Module):
 def shard_moe_layers(model: nn.Module, ep_size: int, ep_rank: int, **gating) -> int:
     """Replace every core MoELayer under `model` by a DeepSpeedMoE in place; returns the count."""
     replaced = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, MoELayer):
                 setattr(module, child_name, DeepSpeedMoE(child, ep_size, ep_rank, **gating))

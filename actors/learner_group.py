@@ -11,7 +11,7 @@ e.g. {"moe_learner": 1}), so an autoscaling cluster can add learner nodes for it
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import ray
 import torch

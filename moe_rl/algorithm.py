@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
@@ -27,8 +27,8 @@ from .settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, ConfigError, resolve_dee
 
 
 class MoEPPOConfig(PPOConfig):
-    """PPOConfig plus `.moe(...)` (the MoE policy); `.stability(...)` and `.consistency(...)` keep
-    their settings for the learner group and the consistency actor."""
+    """PPOConfig plus `.moe(...)` (the MoE policy), `.deepspeed(...)` (the expert-parallel learner
+    group) and `.consistency(...)` (drift checks and the sync gate)."""
 
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or MoEPPO)
@@ -71,7 +71,11 @@ class MoEPPOConfig(PPOConfig):
         return DeepSpeedLearnerGroup(config=config, module_spec=rl_module_spec)
 
     def stability(self, **kwargs) -> "MoEPPOConfig":
-        self.stability_settings.update(kwargs)
+        """Reserved for the stability toolkit (per-group LR and clipping, NaN-step skipping, ...),
+        which is not built yet: any key is refused rather than silently ignored."""
+        if kwargs:
+            raise ConfigError(f"stability.{sorted(kwargs)[0]}: the stability toolkit is not implemented yet; "
+                              "allowed: no keys")
         return self
 
     def consistency(self, **kwargs) -> "MoEPPOConfig":

@@ -13,7 +13,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .metrics import flip_rate, jaccard, topk_sets_equal
+from .metrics import jaccard, topk_sets_equal
 
 
 def drift_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,

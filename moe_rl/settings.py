@@ -138,7 +138,7 @@ def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int)
             with open(cfg) as f:
                 cfg = json.load(f)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"deepspeed.config: must be a dict or a readable JSON file, got {d['config']!r} ({e})")
+            raise ConfigError(f"deepspeed.config: must be a dict or a readable JSON file, got {d['config']!r} ({e})") from None
     _need(isinstance(cfg, dict), "deepspeed.config", "a dict or a JSON file path", cfg)
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
     _need(stage in (0, 1, 2), "deepspeed.config.zero_optimization.stage", "0, 1 or 2 (dense part only)", stage)

@@ -1,13 +1,11 @@
 """Drift estimators (pure torch) and the consistency actor + sync gate on real Ray / DeepSpeed."""
 import math
 
-import gymnasium as gym
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
-from ray.rllib.core.columns import Columns
 
 from moe_rl import MoEPPOConfig
 from moe_rl.consistency import (breaches, drift_metrics, gate_decision, param_divergence, policy_kl,

@@ -1,0 +1,54 @@
+"""Invalid settings fail fast: exit code 2, one line naming the field and what is allowed, and no
+Ray started (in-process, so the check is that ray.is_initialized() stays False)."""
+import pytest
+import ray
+
+from moe_rl.cli import main
+
+CASES = [
+    # wrong types
+    ("moe.num_experts=eight", "moe.num_experts"), ("moe.top_k=1.5", "moe.top_k"),
+    ("moe.shared_expert=maybe", "moe.shared_expert"), ("moe.vf_hiddens=64", "moe.vf_hiddens"),
+    ("moe.router_kwargs=3", "moe.router_kwargs"), ("training.lr=fast", "training.lr"),
+    ("iterations=ten", "iterations"), ("seed=-1", "seed"), ("env_config=5", "env_config"),
+    ("consistency.every=true", "consistency.every"),
+    # out of range
+    ("moe.num_experts=0", "moe.num_experts"), ("moe.top_k=0", "moe.top_k"), ("moe.top_k=9", "moe.top_k"),
+    ("moe.temperature=0", "moe.temperature"), ("moe.temperature=.inf", "moe.temperature"),
+    ("moe.expert_dropout=1.0", "moe.expert_dropout"), ("moe.capacity_factor=0", "moe.capacity_factor"),
+    ("moe.trainer_capacity_factor=-2", "moe.trainer_capacity_factor"), ("moe.aux_loss_coef=-0.1", "moe.aux_loss_coef"),
+    ("moe.d_model=0", "moe.d_model"), ("moe.num_heads=3", "moe.num_heads"), ("training.lr=-1", "training.lr"),
+    ("training.gamma=1.5", "training.gamma"), ("training.minibatch_size=0", "training.minibatch_size"),
+    ("env_runners.num_env_runners=-1", "env_runners.num_env_runners"), ("iterations=0", "iterations"),
+    ("consistency.thresholds.k3=-1", "consistency.thresholds.k3"),
+    ("consistency.thresholds.routing_agreement=2", "consistency.thresholds.routing_agreement"),
+    ("consistency.tis_cap=0.5", "consistency.tis_cap"), ("deepspeed.num_threads=0", "deepspeed.num_threads"),
+    # unknown names and values
+    ("moe.router=magic", "moe.router"), ("moe.router_init=xavier", "moe.router_init"),
+    ("moe.activation=swish", "moe.activation"), ("moe.dispatch=fast", "moe.dispatch"),
+    ("moe.inference_dtype=fp8", "moe.inference_dtype"), ("moe.experts=4", "moe.experts"),
+    ("training.learning_rate=1e-3", "training.learning_rate"), ("consistency.policy=panic", "consistency.policy"),
+    ("consistency.thresholds.k9=1", "consistency.thresholds.k9"), ("deepspeed.zero=3", "deepspeed.zero"),
+    ("stability.clip=1", "stability.clip"), ("nonsense=1", "nonsense"), ("env=NoSuchEnv-v0", "env"),
+    # incompatible combinations
+    ("moe.ep_size=3", "moe.ep_size"), ("deepspeed.config.zero_optimization.stage=3",
+                                       "deepspeed.config.zero_optimization.stage"),
+    ("moe.router=task", "moe.router_kwargs.num_tasks"),
+]
+
+
+@pytest.mark.parametrize("override, field", CASES, ids=[c[0] for c in CASES])
+def test_invalid_setting_exits_2_naming_the_field(override, field, capsys):
+    assert main(["train", "--set", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"moe-rl: error: {field}: "), err
+    assert not ray.is_initialized()
+
+
+def test_ep_size_not_dividing_learners():
+    assert main(["train", "--num-learners", "3", "--ep-size", "2"]) == 2
+    assert not ray.is_initialized()
+
+
+def test_case_count():
+    assert len(CASES) >= 30
