@@ -39,7 +39,8 @@ class DeepSpeedLearnerGroup(Checkpointable):
         bundle = {"CPU": float(config.num_cpus_per_learner if config.num_cpus_per_learner != "auto" else 1)}
         if config.num_gpus_per_learner:
             bundle["GPU"] = float(config.num_gpus_per_learner)
-        bundle.update({k: float(v) for k, v in (ds.get("learner_resources") or {}).items()})
+        # RLlib's own knob names the learner-node resource, e.g. {"moe_learner": 1}.
+        bundle.update({k: float(v) for k, v in (config.custom_resources_per_learner or {}).items()})
         self._pg = placement_group([dict(bundle) for _ in range(n)], strategy=ds.get("placement_strategy", "PACK"))
         timeout = ds.get("placement_timeout_s", 600)
         try:
@@ -48,7 +49,7 @@ class DeepSpeedLearnerGroup(Checkpointable):
             remove_placement_group(self._pg)
             raise RuntimeError(f"learner group: {n} learner bundles of {bundle} could not be placed within "
                                f"{timeout}s (cluster has {ray.available_resources()}); add learner nodes or "
-                               f"lower learners.num_learners / deepspeed.learner_resources") from None
+                               f"lower learners.num_learners / learners.custom_resources_per_learner") from None
         actor_cls = ray.remote(LearnerActor)
         self._workers = [
             actor_cls.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),

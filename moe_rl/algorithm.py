@@ -47,7 +47,7 @@ class MoEPPOConfig(PPOConfig):
 
     def deepspeed(self, **kwargs) -> "MoEPPOConfig":
         """DeepSpeed learner group: `config` (dict or JSON path, passed to deepspeed.initialize),
-        `enabled`, `learner_resources`, `num_threads` (see moe_rl.settings.DEEPSPEED_DEFAULTS)."""
+        `enabled`, `num_threads` (see moe_rl.settings.DEEPSPEED_DEFAULTS)."""
         unknown = sorted(set(kwargs) - set(DEEPSPEED_DEFAULTS))
         if unknown:
             raise ConfigError(f"deepspeed.{unknown[0]}: unknown key, allowed: {', '.join(sorted(DEEPSPEED_DEFAULTS))}")

@@ -118,7 +118,6 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
 DEEPSPEED_DEFAULTS: Dict[str, Any] = {
     "enabled": None,             # None: on when moe.ep_size > 1 or a DeepSpeed config is given
     "config": {},                # DeepSpeed config dict (or a JSON file path), passed to deepspeed.initialize
-    "learner_resources": {},     # extra resources per learner bundle, e.g. {"moe_learner": 1}
     "num_threads": 1,            # torch intra-op threads per learner process
     "placement_strategy": "PACK",
     "placement_timeout_s": 600,
@@ -152,9 +151,6 @@ def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int)
     _need(not (moe["ep_size"] > 1 and not enabled), "deepspeed.enabled", "true (or null) when moe.ep_size > 1",
           enabled)
     d["enabled"] = enabled
-    _need(isinstance(d["learner_resources"], dict) and all(
-        _is_num(v) and v >= 0 for v in d["learner_resources"].values()), "deepspeed.learner_resources",
-        "a mapping of resource name -> amount >= 0", d["learner_resources"])
     _need(_is_int(d["num_threads"]) and d["num_threads"] >= 1, "deepspeed.num_threads", "an int >= 1",
           d["num_threads"])
     _need(d["placement_strategy"] in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),

@@ -1,0 +1,94 @@
+"""Cluster files validated with Ray's own validator, and `ray job submit` against a real local head."""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from ray.autoscaler._private.util import validate_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return yaml.safe_load(f)
+
+
+RUN = load("configs/cluster.yaml")
+WANTED = {"rollout": set(RUN["env_runners"]["custom_resources_per_env_runner"]),
+          "learner": set(RUN["learners"]["custom_resources_per_learner"])}
+
+
+@pytest.mark.parametrize("path", ["cluster/aws.yaml", "cluster/gcp.yaml"])
+def test_launcher_yaml_passes_rays_validator_and_matches_the_run_config(path):
+    cfg = load(path)
+    validate_config(cfg)  # raises on any schema violation
+    types = cfg["available_node_types"]
+    assert cfg["idle_timeout_minutes"] > 0 and cfg["max_workers"] >= sum(t["max_workers"] for t in types.values())
+    rollout = [t for t in types.values() if WANTED["rollout"] <= set(t["resources"])]
+    learner = [t for t in types.values() if WANTED["learner"] <= set(t["resources"])]
+    assert rollout and all("GPU" not in t["resources"] for t in rollout)
+    assert learner and all(t["resources"].get("GPU", 0) >= 1 for t in learner)
+    assert any("pip install" in c for c in cfg["setup_commands"])
+
+
+def test_kuberay_cluster_autoscales_with_the_same_node_types():
+    cfg = load("cluster/kuberay.yaml")
+    assert cfg["apiVersion"] == "ray.io/v1" and cfg["kind"] == "RayCluster"
+    assert cfg["spec"]["enableInTreeAutoscaling"] is True
+    groups = {g["groupName"]: g for g in cfg["spec"]["workerGroupSpecs"]}
+    for name, wanted in (("rollout-cpu", WANTED["rollout"]), ("learner-gpu", WANTED["learner"])):
+        g = groups[name]
+        assert 0 <= g["minReplicas"] <= g["maxReplicas"]
+        resources = json.loads(json.loads(g["rayStartParams"]["resources"]))
+        assert wanted <= set(resources)
+    gpu = groups["learner-gpu"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert int(gpu["nvidia.com/gpu"]) >= 1
+
+
+def test_cluster_run_config_is_valid():
+    from moe_rl.run_config import validate_run_config
+    config = validate_run_config(RUN)
+    assert config.uses_deepspeed and config.custom_resources_per_learner == {"moe_learner": 1}
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ray_job_submit_runs_the_quickstart(tmp_path):
+    """A real local head (loopback only), `ray job submit` of two quickstart iterations, then
+    `ray stop`. The job must SUCCEED and leave a complete run directory."""
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+           "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    ray_cli = shutil.which("ray", path=env["PATH"])
+    dash = _free_port()
+    subprocess.run([ray_cli, "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+                    "--port", str(_free_port()), "--num-cpus", "4", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    try:
+        out = tmp_path / "run"
+        p = subprocess.run(
+            [ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ROOT, "--",
+             "moe-rl", "train", "--iterations", "2", "--output", str(out), "--set", "stop_return=null",
+             "--set", "training.train_batch_size_per_learner=500", "--set", "training.minibatch_size=125"],
+            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+        assert "succeeded" in (p.stdout + p.stderr).lower()  # "Job 'raysubmit_…' succeeded"
+        assert "iter    2" in p.stdout  # logs streamed back
+        assert pq.read_table(out / "metrics.parquet").num_rows == 2
+        assert (out / "config.yaml").is_file() and (out / "drift.parquet").is_file()
+        assert os.listdir(out / "checkpoints") == ["iter_000002"]
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        time.sleep(1)
