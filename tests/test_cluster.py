@@ -92,3 +92,43 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
     finally:
         subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
         time.sleep(1)
+
+
+@pytest.mark.slow
+def test_autoscaler_adds_a_learner_node_and_removes_it_when_idle(tmp_path):
+    """cluster/local.yaml (Ray's fake_multinode provider): the head has no `moe_learner`, so the
+    learner group's placement group makes the autoscaler add a `learner` node; the job completes
+    and the idle node goes away. (fake_multinode nodes join the head at the default port 6379.)"""
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+           "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    ray_cli = shutil.which("ray", path=env["PATH"])
+    dash = _free_port()
+    subprocess.run([ray_cli, "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+                    "--port", "6379", "--num-cpus", "3", "--disable-usage-stats",
+                    f"--autoscaling-config={os.path.join(ROOT, 'cluster/local.yaml')}"],
+                   env={**env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
+                   check=True, capture_output=True, timeout=120)
+    try:
+        out = tmp_path / "run"
+        p = subprocess.run(
+            [ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ROOT, "--",
+             "moe-rl", "train", "--iterations", "2", "--output", str(out), "--num-learners", "2", "--ep-size", "2",
+             "--set", "stop_return=null", "--set", "training.train_batch_size_per_learner=300",
+             "--set", "training.minibatch_size=100", "--set", "moe.num_experts=4",
+             "--set", "learners.custom_resources_per_learner={moe_learner: 1}"],
+            env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert p.returncode == 0 and "succeeded" in (p.stdout + p.stderr).lower(), p.stdout[-3000:]
+        assert pq.read_table(out / "metrics.parquet").num_rows == 2
+        probe = ("import ray, time\n"
+                 "ray.init(address='127.0.0.1:6379', log_to_driver=False)\n"
+                 "added = any(n['Resources'].get('moe_learner') for n in ray.nodes())\n"
+                 "t = time.time()\n"
+                 "while time.time() - t < 90 and sum(n['Alive'] for n in ray.nodes()) > 1:\n"
+                 "    time.sleep(1)\n"
+                 "print('ADDED', added, 'ALIVE', sum(n['Alive'] for n in ray.nodes()))\n")
+        q = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=150)
+        assert "ADDED True ALIVE 1" in q.stdout, (q.stdout, q.stderr[-2000:])
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        time.sleep(1)
