@@ -1,4 +1,5 @@
 """Cluster files validated with Ray's own validator, and `ray job submit` against a real local head."""
+import contextlib
 import json
 import os
 import shutil
@@ -64,22 +65,33 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_ray_job_submit_runs_the_quickstart(tmp_path):
-    """A real local head (loopback only), `ray job submit` of two quickstart iterations, then
-    `ray stop`. The job must SUCCEED and leave a complete run directory."""
+@contextlib.contextmanager
+def local_head(*start_args, start_env=None):
+    """A real Ray head on loopback (started with the CLI, as a user would), stopped afterwards.
+    Yields (ray CLI path, client env, dashboard address)."""
     bindir = os.path.dirname(sys.executable)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
            "PATH": bindir + os.pathsep + os.environ["PATH"]}
     ray_cli = shutil.which("ray", path=env["PATH"])
     dash = _free_port()
     subprocess.run([ray_cli, "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                    "--port", str(_free_port()), "--num-cpus", "4", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True, timeout=120)
+                    "--disable-usage-stats", *start_args], env={**env, **(start_env or {})},
+                   check=True, capture_output=True, timeout=120)
     try:
+        yield ray_cli, env, f"http://127.0.0.1:{dash}"
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        time.sleep(1)
+
+
+@pytest.mark.slow
+def test_ray_job_submit_runs_the_quickstart(tmp_path):
+    """A real local head (loopback only), `ray job submit` of two quickstart iterations, then
+    `ray stop`. The job must SUCCEED and leave a complete run directory."""
+    with local_head("--port", str(_free_port()), "--num-cpus", "4") as (ray_cli, env, address):
         out = tmp_path / "run"
         p = subprocess.run(
-            [ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ROOT, "--",
+            [ray_cli, "job", "submit", "--address", address, "--working-dir", ROOT, "--",
              "moe-rl", "train", "--iterations", "2", "--output", str(out), "--set", "stop_return=null",
              "--set", "training.train_batch_size_per_learner=500", "--set", "training.minibatch_size=125"],
             env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -89,9 +101,6 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
         assert pq.read_table(out / "metrics.parquet").num_rows == 2
         assert (out / "config.yaml").is_file() and (out / "drift.parquet").is_file()
         assert os.listdir(out / "checkpoints") == ["iter_000002"]
-    finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        time.sleep(1)
 
 
 @pytest.mark.slow
@@ -99,20 +108,12 @@ def test_autoscaler_adds_a_learner_node_and_removes_it_when_idle(tmp_path):
     """cluster/local.yaml (Ray's fake_multinode provider): the head has no `moe_learner`, so the
     learner group's placement group makes the autoscaler add a `learner` node; the job completes
     and the idle node goes away. (fake_multinode nodes join the head at the default port 6379.)"""
-    bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-           "PATH": bindir + os.pathsep + os.environ["PATH"]}
-    ray_cli = shutil.which("ray", path=env["PATH"])
-    dash = _free_port()
-    subprocess.run([ray_cli, "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                    "--port", "6379", "--num-cpus", "3", "--disable-usage-stats",
-                    f"--autoscaling-config={os.path.join(ROOT, 'cluster/local.yaml')}"],
-                   env={**env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
-                   check=True, capture_output=True, timeout=120)
-    try:
+    with local_head("--port", "6379", "--num-cpus", "3",
+                    f"--autoscaling-config={os.path.join(ROOT, 'cluster/local.yaml')}",
+                    start_env={"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}) as (ray_cli, env, address):
         out = tmp_path / "run"
         p = subprocess.run(
-            [ray_cli, "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir", ROOT, "--",
+            [ray_cli, "job", "submit", "--address", address, "--working-dir", ROOT, "--",
              "moe-rl", "train", "--iterations", "2", "--output", str(out), "--num-learners", "2", "--ep-size", "2",
              "--set", "stop_return=null", "--set", "training.train_batch_size_per_learner=300",
              "--set", "training.minibatch_size=100", "--set", "moe.num_experts=4",
@@ -129,6 +130,3 @@ def test_autoscaler_adds_a_learner_node_and_removes_it_when_idle(tmp_path):
                  "print('ADDED', added, 'ALIVE', sum(n['Alive'] for n in ray.nodes()))\n")
         q = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=150)
         assert "ADDED True ALIVE 1" in q.stdout, (q.stdout, q.stderr[-2000:])
-    finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        time.sleep(1)
