@@ -42,14 +42,6 @@ class ConsistencyActor:
         self.probe_view = None        # trainer view of the probe set for the weights the rollouts run
         self.synced_state = None      # full state of the weights the rollouts run
         self.sync_id = 0
-        self.counts = {d: 0 for d in ("sync", "warn", "hold", "rollback")}
-
-    def set_thresholds(self, overrides: Dict[str, float]) -> None:
-        """Change thresholds mid-run (validated like consistency.thresholds)."""
-        from moe_rl.consistency import validate_consistency
-        validate_consistency({"thresholds": overrides})
-        self.s = {**self.s, "thresholds": {**self.s.get("thresholds", {}), **overrides}}
-        self.limits = thresholds(self.s["thresholds"])
 
     # --- probe set --------------------------------------------------------------------------------
     def has_probe(self) -> bool:
@@ -111,7 +103,6 @@ class ConsistencyActor:
         if lines:
             reason = (reason + "\n" if reason else "") + "\n".join(lines[:20])
         row["decision"], row["reason"] = decision, reason
-        self.counts[decision] += 1
         if decision in ("sync", "warn"):
             self.synced_state, self.probe_view = candidate, probe_view
             self.sync_id += 1
@@ -138,9 +129,5 @@ class ConsistencyActor:
             from moe_rl.run_dir import write_table
             write_table(path, self.rows)
 
-    # --- state (checkpoint / resume) ---------------------------------------------------------------
     def ledger(self) -> List[Dict[str, Any]]:
         return self.rows
-
-    def summary(self) -> Dict[str, Any]:
-        return {"checks": len(self.rows), **{f"decisions/{k}": v for k, v in self.counts.items()}}

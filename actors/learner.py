@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -198,12 +198,3 @@ class LearnerActor:
         engine.load_checkpoint(path, tag="moe_rl", load_optimizer_states=True, load_lr_scheduler_states=True)
         extra = torch.load(os.path.join(path, f"learner_rank_{self.rank}.pt"), weights_only=False)
         self.learner.set_state(extra)
-
-    def optimizer_state(self) -> List[Dict[str, Any]]:
-        """Every rank's Adam moments (for bit-exact round-trip checks)."""
-        opt = self.learner._engines["default_policy"].optimizer
-        return [{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in st.items()}
-                for st in opt.state_dict()["state"].values()]
-
-    def ping(self) -> int:
-        return self.rank

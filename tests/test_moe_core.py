@@ -60,6 +60,12 @@ def test_z_loss_and_entropy_hand_values():
     assert router_entropy(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))["router_entropy"] == pytest.approx(0.0)
 
 
+def test_logit_stats_per_expert():
+    from moe_rl.metrics import logit_stats
+    s = logit_stats(torch.tensor([[1.0, -1.0], [3.0, -1.0]]))
+    assert s["logit_mean"] == [2.0, -1.0] and s["logit_std"] == [1.0, 0.0]
+
+
 def test_flip_rate_and_jaccard():
     a = torch.tensor([[0, 1], [2, 3], [1, 2]])
     b = torch.tensor([[1, 0], [2, 0], [3, 0]])
