@@ -21,7 +21,7 @@ import torch
 from moe_rl.consistency import (breaches, drift_by_position, drift_metrics, format_breach, gate_decision,
                                 param_divergence, policy_kl, routing_agreement, thresholds, update_size)
 from moe_rl.metrics import flip_rate
-from moe_rl.sharding import assemble_shards
+from moe_rl.sharding import assemble_all
 
 BF16_RTOL = 2.0 ** -8  # a bf16 copy rounds every weight by up to half an ulp (8 mantissa bits)
 
@@ -50,7 +50,7 @@ class ConsistencyActor:
     def set_probe(self, obs, view: Dict[str, np.ndarray], synced_shards: list) -> None:
         import ray
         self.probe_obs, self.probe_view = obs, view
-        self.synced_state = assemble_shards(ray.get(list(synced_shards)), set().union(*ray.get(list(synced_shards))))
+        self.synced_state = assemble_all(ray.get(list(synced_shards)))
 
     def get_probe(self):
         return self.probe_obs
@@ -72,8 +72,7 @@ class ConsistencyActor:
         # 2. routing agreement per layer.
         row.update(routing_agreement(_layers(trainer["topk"]), _layers(rollout["topk"])))
         # 3. parameter divergence: learner (before the update) vs the rollout copy, and replicas.
-        learner_parts = ray.get(list(learner_shards))
-        learner_state = assemble_shards(learner_parts, set().union(*learner_parts))
+        learner_state = assemble_all(ray.get(list(learner_shards)))
         rollout_weights = ray.get(rollout_state[0])
         worst, over, mismatched = param_divergence(learner_state, rollout_weights, self.limits["param_max_diff"][1],
                                                    self.param_rtol)
@@ -84,8 +83,7 @@ class ConsistencyActor:
         row["param_breach_lines"] = "\n".join(lines)
         row["replica_max_diff"] = self._replica_divergence(ray.get(list(replica_shards))) if replica_shards else 0.0
         # 4. the candidate weights.
-        cand_parts = ray.get(list(candidate_shards))
-        candidate = assemble_shards(cand_parts, set().union(*cand_parts))
+        candidate = assemble_all(ray.get(list(candidate_shards)))
         finite = all(np.isfinite(v).all() for v in candidate.values())
         row["weights_finite"] = bool(finite)
         if self.synced_state is not None:

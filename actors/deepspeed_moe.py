@@ -19,12 +19,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from deepspeed.moe.layer import MoE
 from torch import nn
 
 from moe_rl.losses import load_balancing_loss
-from moe_rl.moe import MoELayer, Router
+from moe_rl.moe import MoELayer, Router, queue_positions
 
 
 class RoutedGate(nn.Module):
@@ -73,14 +72,11 @@ class RoutedGate(nn.Module):
             self._sample_second_expert(rec)
         idx, gates = rec.top_k_indices, rec.gate_weights
         S, k = idx.shape
-        order = torch.arange(S, device=x.device)
+        order = None
         if self.random_token_selection and self.capacity_factor is not None and self.training:
             order = torch.randperm(S, device=x.device)  # who gets a capacity slot first
-        slot_major = idx[order].t().reshape(-1)                     # all 1st choices before 2nd
-        one_hot = F.one_hot(slot_major, self.num_experts)
-        position = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1)
-        locations = torch.empty_like(position.view(k, S)).index_copy_(1, order, position.view(k, S))
-        counts = one_hot.sum(0)
+        locations = queue_positions(idx, self.num_experts, order).t()          # [k, S]
+        counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
         if self.capacity_factor is None:   # dropless: the largest expert load in the group
             capacity = self._agree(counts.max().clone())
             keep = torch.ones_like(locations, dtype=torch.bool)

@@ -21,7 +21,7 @@ from ray.rllib.utils.checkpoints import Checkpointable
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from moe_rl.sharding import assemble_shards
+from moe_rl.sharding import assemble_all
 
 from .learner import LearnerActor
 
@@ -92,11 +92,8 @@ class DeepSpeedLearnerGroup(Checkpointable):
         """Every learner's complete local state (global names), for the replica check."""
         return [w.module_shard.remote(inference_only, True) for w in self._workers]
 
-    def full_module_state(self, inference_only: bool = True, expected_keys=None) -> Dict[str, Any]:
-        shards = ray.get(self.publish_weights(inference_only))
-        if expected_keys is None:
-            expected_keys = set().union(*shards)
-        return assemble_shards(shards, expected_keys)
+    def full_module_state(self, inference_only: bool = True) -> Dict[str, Any]:
+        return assemble_all(ray.get(self.publish_weights(inference_only)))
 
     def get_state(self, components=None, *, not_components=None, inference_only: bool = False, **kwargs):
         """The full module state assembled from every learner's shard (RLlib's LearnerGroup asks

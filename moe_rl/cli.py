@@ -81,17 +81,7 @@ def cmd_train(args) -> int:
 def train_loop(config, cfg, run) -> int:
     import ray
 
-    started_ray = False
-    if not ray.is_initialized():
-        if not os.environ.get("RAY_ADDRESS"):
-            # An embedded Ray binds loopback only, and offers at least the logical CPUs the
-            # config asks for (actors then share the cores; a smaller head would wait forever).
-            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            ray.init(include_dashboard=False, log_to_driver=False,
-                     num_cpus=max(os.cpu_count() or 1, logical_cpus_needed(config)))
-        else:  # `ray job submit` or a user-provided cluster
-            ray.init()
-        started_ray = True
+    started_ray = ensure_ray(logical_cpus_needed(config))
     from .run_dir import metrics_row
 
     algo = config.build_algo()
@@ -118,6 +108,21 @@ def train_loop(config, cfg, run) -> int:
             ray.shutdown()
     print(f"moe-rl: done; metrics in {os.path.join(run.path, 'metrics.parquet')}", flush=True)
     return 0
+
+
+def ensure_ray(min_cpus: int) -> bool:
+    """Connect to RAY_ADDRESS (as under `ray job submit`) or start an embedded Ray on loopback
+    offering at least `min_cpus` logical CPUs (actors then share the cores; a smaller head would
+    wait forever). Returns whether this call started/connected Ray (the caller shuts it down)."""
+    import ray
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+    else:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(os.cpu_count() or 1, min_cpus))
+    return True
 
 
 def logical_cpus_needed(config) -> int:
@@ -149,7 +154,13 @@ def cmd_drift_study(args) -> int:
         return _fail(f"--lengths/--seeds: must be comma-separated ints, got {args.lengths!r} / {args.seeds!r}")
     if not all(8 <= L <= 1024 for L in lengths):
         return _fail(f"--lengths: must be in [8, 1024], got {lengths}")
-    run_study(lengths, args.source, seeds, args.output)
+    import ray
+    started = ensure_ray(4)  # a study config needs at most 1 runner + 2 learners
+    try:
+        run_study(lengths, args.source, seeds, args.output)
+    finally:
+        if started:
+            ray.shutdown()
     print(f"moe-rl: drift study in {args.output}/drift_study.parquet and drift_study.svg")
     return 0
 

@@ -49,28 +49,19 @@ def measure(seq_len: int, source: str, seed: int) -> Dict:
 
 
 def run_study(lengths: List[int], source: str, seeds: List[int], output: str) -> List[Dict]:
+    """Needs a running Ray (the CLI starts one)."""
     import json
-
-    import ray
 
     from .plots import line_plot_svg
     from .run_dir import write_table
     os.makedirs(output, exist_ok=True)
-    started = not ray.is_initialized()
-    if started:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(os.cpu_count() or 1, 4))
     rows = []
-    try:
-        for L in lengths:
-            for seed in seeds:
-                rows.append(measure(L, source, seed))
-                r = rows[-1]
-                print(f"seq_len {L:5d} seed {seed}: K3 {r['k3']:.3e}  max|dlogp| {r['max_abs_logp_diff']:.3e}  "
-                      f"routing agreement {r['routing_agreement']:.3f}", flush=True)
-    finally:
-        if started:
-            ray.shutdown()
+    for L in lengths:
+        for seed in seeds:
+            rows.append(measure(L, source, seed))
+            r = rows[-1]
+            print(f"seq_len {L:5d} seed {seed}: K3 {r['k3']:.3e}  max|dlogp| {r['max_abs_logp_diff']:.3e}  "
+                  f"routing agreement {r['routing_agreement']:.3f}", flush=True)
     write_table(os.path.join(output, "drift_study.parquet"), rows)
     summary = []
     print(f"\nK3 by sequence length ({source}):\n  seq_len   mean K3     std K3   max|dlogp|")

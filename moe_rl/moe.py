@@ -89,6 +89,19 @@ def sinkhorn(scores: torch.Tensor, top_k: int = 1, epsilon: float = 0.1,
     return (log_k + u[:, None] + v[None, :]).exp()
 
 
+def queue_positions(top_k_indices: torch.Tensor, num_experts: int,
+                    order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[T, k] -> [T, k] position of each assignment in its expert's queue. All first choices queue
+    before second choices (slot-major); within a slot, tokens queue in `order` (default: 0..T-1).
+    An assignment is dropped by a capacity C exactly when its position is >= C."""
+    T, k = top_k_indices.shape
+    if order is None:
+        order = torch.arange(T, device=top_k_indices.device)
+    one_hot = F.one_hot(top_k_indices[order].t().reshape(-1), num_experts)
+    position = ((one_hot.cumsum(0) - 1) * one_hot).sum(-1).view(k, T).t()
+    return torch.empty_like(position).index_copy_(0, order, position)
+
+
 class Router(nn.Module):
     """Linear (or MLP) router with fp32 math. Subclasses change how experts are *selected*.
 
@@ -375,10 +388,7 @@ class MoELayer(nn.Module):
         higher-ranked slots win)."""
         T, k = idx.shape
         capacity = math.ceil(self.capacity_factor * T * k / self.num_experts)
-        order = idx.t().reshape(-1)                       # slot-major: all 1st choices before 2nd
-        one_hot = F.one_hot(order, self.num_experts)
-        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
-        return (position >= capacity).view(k, T).t()
+        return queue_positions(idx, self.num_experts) >= capacity
 
     def dispatch_path(self, num_assignments: int) -> str:
         if self.dispatch != "auto":

@@ -52,6 +52,12 @@ class ShardError(ValueError):
     """Shards that do not assemble into exactly the expected full state."""
 
 
+def assemble_all(shards: Iterable[Mapping]) -> Dict:
+    """assemble_shards when the shards themselves define the key set (duplicates still checked)."""
+    shards = list(shards)
+    return assemble_shards(shards, set().union(*shards))
+
+
 def assemble_shards(shards: Iterable[Mapping], expected_keys: Iterable[str]) -> Dict:
     """Merge per-learner shards (global names) into one full state.
 

@@ -11,6 +11,7 @@ from moe_rl import MoEPPOConfig
 from moe_rl.consistency import (breaches, drift_metrics, gate_decision, param_divergence, policy_kl,
                                 routing_agreement, thresholds, validate_consistency)
 from moe_rl.settings import ConfigError
+from test_learner_group import adam_moments
 
 # --- estimators, hand-computed --------------------------------------------------------------------
 
@@ -193,9 +194,7 @@ def test_wrong_expert_mapping_is_caught_and_rolled_back(ray_local):
                 sd[a], sd[b] = sd[b].clone(), sd[a].clone()
             runner.module.load_state_dict(sd)
         algo.env_runner_group.foreach_env_runner(swap, local_env_runner=False)
-        moments_before = algo.learner_group.foreach_learner(lambda l: [
-            {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
-            for st in l._engines["default_policy"].optimizer.state_dict()["state"].values()])
+        moments_before = adam_moments(algo.learner_group)
         algo.train()
         row = last_row(algo)
         assert row["decision"] == "rollback"
@@ -205,9 +204,7 @@ def test_wrong_expert_mapping_is_caught_and_rolled_back(ray_local):
         restored = ray.get(algo.learner_group.publish_weights(inference_only=False))
         for a, b in zip(good_weights, restored):
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-        moments_after = algo.learner_group.foreach_learner(lambda l: [
-            {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
-            for st in l._engines["default_policy"].optimizer.state_dict()["state"].values()])
+        moments_after = adam_moments(algo.learner_group)
         for ra, rb in zip(moments_before, moments_after):
             assert len(ra) == len(rb) > 0
             assert all(torch.equal(a[k], b[k]) for a, b in zip(ra, rb) for k in a)

@@ -39,6 +39,13 @@ def batch(n):
             torch.as_tensor(RNG.integers(0, 2, n)))
 
 
+def adam_moments(group):
+    """Every learner's Adam state tensors, copied."""
+    return group.foreach_learner(lambda l: [
+        {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
+        for st in l._engines["default_policy"].optimizer.state_dict()["state"].values()])
+
+
 def learner_step(learner, data):
     """On every learner: its shard's loss -> DeepSpeed backward (reductions) -> engine step."""
     obs, actions = data[dist.get_rank()]
@@ -164,15 +171,11 @@ def test_checkpoint_round_trip_is_bit_exact_on_every_rank(group, tmp_path):
     group.foreach_learner(learner_step, data={0: batch(16), 1: batch(16)})  # non-zero Adam moments
     path = group.save_to_path(str(tmp_path / "ckpt"))
     saved_weights = __import__("ray").get(group.publish_weights(inference_only=False))
-    saved_moments = group.foreach_learner(lambda l: [
-        {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
-        for st in l._engines["default_policy"].optimizer.state_dict()["state"].values()])
+    saved_moments = adam_moments(group)
     group.foreach_learner(learner_step, data={0: batch(16), 1: batch(16)})  # move away
     group.restore_from_path(path)
     restored_weights = __import__("ray").get(group.publish_weights(inference_only=False))
-    restored_moments = group.foreach_learner(lambda l: [
-        {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
-        for st in l._engines["default_policy"].optimizer.state_dict()["state"].values()])
+    restored_moments = adam_moments(group)
     for a, b in zip(saved_weights, restored_weights):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     for rank_a, rank_b in zip(saved_moments, restored_moments):
