@@ -129,3 +129,8 @@ class ConsistencyActor:
 
     def ledger(self) -> List[Dict[str, Any]]:
         return self.rows
+
+    def continue_ledger(self, rows: List[Dict[str, Any]]) -> None:
+        """A resumed run: the checkpointed ledger rows come first, sync ids continue after them."""
+        self.rows[:0] = rows
+        self.sync_id = max([int(r.get("sync_id") or 0) + 1 for r in rows] + [self.sync_id])

@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from moe_rl.anomaly import rss_mb
 from moe_rl.learner import MoEPPOTorchLearner
 from moe_rl.sharding import is_expert_param, to_global_name, to_local_name
 
@@ -52,25 +53,36 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
     def _make_modules_ddp_if_necessary(self) -> None:
         """Never DDP: DeepSpeed reduces gradients (see module docstring)."""
 
-    def configure_optimizers_for_module(self, module_id, config=None):
-        import deepspeed
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    def make_toolkit(self, module_id):
+        """Per-group norms are global: replicated tensors once, expert shards summed over the
+        expert-parallel ranks; every learner gets the same numbers and the same skip decision."""
+        from moe_rl.stability import StabilityToolkit, validate_stability
+        return StabilityToolkit(validate_stability(self.config.stability_settings),
+                                self._module[module_id].named_parameters(), is_expert=is_expert_param,
+                                all_reduce_sum=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM) or t,
+                                world_size=dist.get_world_size(), ep_size=self.ep_size)
 
-        module = self._module[module_id]
-        params = self.get_parameters(module)
-        groups = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "params"})
+    def optimizer_param_groups(self, toolkit, base_lr):
+        """The stability groups, each split by DeepSpeed into expert / non-expert groups (expert
+        gradients are reduced over the expert-data-parallel group only)."""
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+        groups = split_params_into_different_moe_groups_for_optimizer(toolkit.param_groups(base_lr))
+        return [g for g in groups if g["params"]]
+
+    def build_optimizer(self, module_id, toolkit, param_groups, base_lr):
+        import deepspeed
         ds_user = self.config.deepspeed_settings.get("config") or {}
-        lr = config.lr if isinstance(config.lr, (int, float)) else 1e-3  # schedules set it each step
-        optimizer = None if "optimizer" in ds_user else torch.optim.Adam(groups, lr=lr, foreach=True)
+        optimizer = None if "optimizer" in ds_user else toolkit.make_optimizer(param_groups, base_lr)
+        config = self.config.get_config_for_module(module_id)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
+            model=self._module[module_id], optimizer=optimizer,
+            model_parameters=param_groups if optimizer is None else None,
             config=deepspeed_config(ds_user, config.minibatch_size or config.train_batch_size_per_learner,
                                     dist.get_world_size()),
             dist_init_required=False)
         self._engines = getattr(self, "_engines", {})
         self._engines[module_id] = engine
-        self.register_optimizer(module_id=module_id, optimizer=optimizer or ds_optimizer, params=params,
-                                lr_or_lr_schedule=config.lr)
+        return optimizer or ds_optimizer
 
     def _uncompiled_update(self, batch, **kwargs):
         """RLlib's update step without the DDP `no_sync` context (there is no DDP here)."""
@@ -91,8 +103,11 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
         for pid, grad in gradients_dict.items():
             if self._params[pid].grad is not grad:
                 self._params[pid].grad = grad
-        for engine in self._engines.values():
-            engine.step()
+        for module_id, engine in self._engines.items():
+            (name,) = self._module_optimizers[module_id]
+            if self.stability_step(module_id, self.get_optimizer(module_id, name)):
+                engine.step()
+                self.after_step(module_id)
 
     # --- expert-parallel views of the module ------------------------------------------------------
     def module_shard(self, module_id: str = "default_policy", inference_only: bool = True,
@@ -182,19 +197,91 @@ class LearnerActor:
 
     def memory_stats(self) -> Dict[str, float]:
         return {"expert_param_bytes": float(self.learner.expert_param_bytes()),
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                "rss_mb": rss_mb()}
 
     def save(self, path: str) -> None:
         """DeepSpeed checkpoint of this rank (collective: every rank calls it) + RLlib learner
-        state that DeepSpeed does not hold (LR schedules, KL coefficients, counters)."""
+        state that DeepSpeed does not hold (counters, metrics, stability toolkit, PPO's adaptive KL
+        coefficients, this process's torch RNG), as plain data (see save_learner_state)."""
         engine = self.learner._engines["default_policy"]
         engine.save_checkpoint(path, tag="moe_rl", save_latest=False)
         extra = self.learner.get_state(not_components=["rl_module"])
         extra.pop("optimizer", None)
-        torch.save(extra, os.path.join(path, f"learner_rank_{self.rank}.pt"))
+        if callable(extra.get("should_module_be_updated")):  # from the config; rebuilt with it
+            extra.pop("should_module_be_updated")
+        extra[KL_COEFFS] = {mid: v.detach().cpu().clone()
+                            for mid, v in getattr(self.learner, "curr_kl_coeffs_per_module", {}).items()}
+        extra[TORCH_RNG] = torch.get_rng_state()
+        save_learner_state(extra, os.path.join(path, f"learner_rank_{self.rank}.pt"))
 
     def restore(self, path: str) -> None:
         engine = self.learner._engines["default_policy"]
         engine.load_checkpoint(path, tag="moe_rl", load_optimizer_states=True, load_lr_scheduler_states=True)
-        extra = torch.load(os.path.join(path, f"learner_rank_{self.rank}.pt"), weights_only=False)
+        extra = load_learner_state(os.path.join(path, f"learner_rank_{self.rank}.pt"))
+        kl_coeffs, rng = extra.pop(KL_COEFFS, {}), extra.pop(TORCH_RNG, None)
         self.learner.set_state(extra)
+        for mid, v in kl_coeffs.items():
+            self.learner.curr_kl_coeffs_per_module[mid].data.copy_(v)
+        if rng is not None:
+            torch.set_rng_state(rng)
+
+
+# --- learner_rank_{r}.pt: plain data only, loaded without unpickling code --------------------------
+KL_COEFFS, TORCH_RNG = "moe_rl_kl_coeffs", "moe_rl_torch_rng"
+_TUPLE, _NDARRAY = "__moe_rl_tuple__", "__moe_rl_ndarray__"
+
+
+def plain_state(obj, where: str = "state"):
+    """RLlib learner state -> dict/list/str/int/float/bool/None/tensor only (tuples and numpy
+    arrays tagged so they come back as such). Anything else is a TypeError naming the key."""
+    import collections
+
+    import numpy as np
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, np.ndarray) and obj.dtype != object:
+        return {_NDARRAY: torch.from_numpy(np.ascontiguousarray(obj))}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        bad = [k for k in obj if not isinstance(k, (str, int)) or isinstance(k, bool)]
+        if bad:
+            raise TypeError(f"{where}: key {bad[0]!r} is not a str or int")
+        return {k: plain_state(v, f"{where}.{k}") for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return {_TUPLE: [plain_state(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, (list, collections.deque)):
+        return [plain_state(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(f"{where}: a {type(obj).__name__} cannot be stored as plain data")
+
+
+def _unplain(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {_NDARRAY}:
+            return obj[_NDARRAY].numpy()
+        if set(obj) == {_TUPLE}:
+            return tuple(_unplain(v) for v in obj[_TUPLE])
+        return {k: _unplain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unplain(v) for v in obj]
+    return obj
+
+
+def save_learner_state(state: Dict[str, Any], file: str) -> None:
+    torch.save(plain_state(state), file)
+
+
+def load_learner_state(file: str) -> Dict[str, Any]:
+    """torch.load(weights_only=True): a file holding anything but plain data (e.g. a pickle that
+    would run code) is refused, never executed."""
+    import pickle
+    try:
+        state = torch.load(file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, ValueError, EOFError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        first = next((line for line in lines if "nsupported" in line), lines[0])
+        raise ValueError(f"learner state {file!r} refused: not plain data ({first})") from None
+    return _unplain(state)

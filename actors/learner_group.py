@@ -10,8 +10,9 @@ e.g. {"moe_learner": 1}), so an autoscaling cluster can add learner nodes for it
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import ray
 import torch
@@ -26,6 +27,7 @@ from moe_rl.sharding import assemble_all
 from .learner import LearnerActor
 
 DEFAULT_MODULE = "default_policy"
+GROUP_STATE = "group_state.json"
 
 
 class DeepSpeedLearnerGroup(Checkpointable):
@@ -33,7 +35,7 @@ class DeepSpeedLearnerGroup(Checkpointable):
     is_remote = True
 
     def __init__(self, *, config, module_spec):
-        self.config = config
+        self.config, self.module_spec = config, module_spec
         n = config.num_learners
         ds = config.deepspeed_settings
         bundle = {"CPU": float(config.num_cpus_per_learner if config.num_cpus_per_learner != "auto" else 1)}
@@ -129,13 +131,57 @@ class DeepSpeedLearnerGroup(Checkpointable):
             if shard:  # global-name tensors, loadable with torch.load(weights_only=True)
                 torch.save({k: torch.as_tensor(v) for k, v in shard.items()},
                            os.path.join(path, f"module_shard_rank{rank}.pt"))
+        with open(os.path.join(path, GROUP_STATE), "w") as f:
+            json.dump({"weights_seq_no": self.weights_seq_no, "num_learners": len(self)}, f)
         return path
 
     def restore_from_path(self, path, *args, **kwargs) -> None:
-        ray.get([w.restore.remote(str(path)) for w in self._workers])
+        path = str(path)
+        state_file = os.path.join(path, GROUP_STATE)
+        if os.path.isfile(state_file):
+            with open(state_file) as f:
+                state = json.load(f)
+            if state["num_learners"] != len(self):
+                raise ValueError(f"checkpoint {path!r} holds {state['num_learners']} learners' state, "
+                                 f"this group has {len(self)}")
+            # Restored weights are a new version for the rollouts (they skip versions not newer
+            # than theirs), also after a rebuild that carried the old counter over.
+            self.weights_seq_no = max(self.weights_seq_no, int(state["weights_seq_no"])) + 1
+        ray.get([w.restore.remote(path) for w in self._workers])
+
+    # --- failures ---------------------------------------------------------------------------------
+    def dead_learners(self, error: Optional[BaseException] = None, timeout_s: float = 10.0) -> List[int]:
+        """Ranks of learners whose actor is gone: the one named by a RayActorError, else those
+        that fail a ping (a survivor stuck in a collective with a dead peer only times out)."""
+        ids = [w._actor_id.hex() for w in self._workers]
+        actor_id = getattr(error, "actor_id", None)
+        if actor_id in ids:
+            return [ids.index(actor_id)]
+        refs = [w.apply.remote(_alive) for w in self._workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    dead.append(rank)
+        return dead
+
+    def rebuild(self) -> DeepSpeedLearnerGroup:
+        """A fresh group with the same config: new actors, new process groups (a DeepSpeed/gloo
+        process group cannot be repaired in place once a member died). Restore state afterwards."""
+        self.shutdown()
+        group = DeepSpeedLearnerGroup(config=self.config, module_spec=self.module_spec)
+        group.weights_seq_no = self.weights_seq_no
+        return group
 
     def shutdown(self) -> None:
         for w in self._workers:
             ray.kill(w)
         self._workers = []
         remove_placement_group(self._pg)
+
+
+def _alive(learner) -> bool:
+    return True

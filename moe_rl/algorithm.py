@@ -9,8 +9,11 @@
 from __future__ import annotations
 
 import copy
+import logging
+import os
 from typing import Any, Dict
 
+import ray
 from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
 from ray.rllib.core import COMPONENT_RL_MODULE
@@ -23,7 +26,12 @@ from ray.rllib.utils.metrics import (ALL_MODULES, ENV_RUNNER_RESULTS, ENV_RUNNER
 
 import envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that loads this config
 
+from .anomaly import AnomalyDetector, rss_mb
+from .sample_filter import drop_nonfinite
 from .settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
+from .stability import STABILITY_DEFAULTS, validate_stability
+
+logger = logging.getLogger(__name__)
 
 
 class MoEPPOConfig(PPOConfig):
@@ -71,11 +79,13 @@ class MoEPPOConfig(PPOConfig):
         return DeepSpeedLearnerGroup(config=config, module_spec=rl_module_spec)
 
     def stability(self, **kwargs) -> "MoEPPOConfig":
-        """Reserved for the stability toolkit (per-group LR and clipping, NaN-step skipping, ...),
-        which is not built yet: any key is refused rather than silently ignored."""
-        if kwargs:
-            raise ConfigError(f"stability.{sorted(kwargs)[0]}: the stability toolkit is not implemented yet; "
-                              "allowed: no keys")
+        """The stability toolkit: per-group LR schedules and clipping, NaN-step skipping,
+        winsorizing, projection, router warm-up, expert-dropout schedule, LAMB, anomaly detection
+        (see moe_rl.stability.STABILITY_DEFAULTS for every key and its default)."""
+        unknown = sorted(set(kwargs) - set(STABILITY_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"stability.{unknown[0]}: unknown key, allowed: {', '.join(sorted(STABILITY_DEFAULTS))}")
+        self.stability_settings.update({k: v for k, v in kwargs.items() if v is not NotProvided})
         return self
 
     def consistency(self, **kwargs) -> "MoEPPOConfig":
@@ -99,6 +109,7 @@ class MoEPPOConfig(PPOConfig):
     def validate(self) -> None:
         super().validate()
         validate_moe(self.moe_settings, num_learners=self.num_learners)
+        validate_stability(self.stability_settings)
         resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
         from .consistency import validate_consistency
         validate_consistency(self.consistency_settings)
@@ -123,10 +134,55 @@ class MoEPPO(PPO):
                 lambda r: r.module.action_space, local_env_runner=self.config.num_env_runners == 0)[0], "n")
             self.sync_gate = SyncGate(self, settings, self.config.moe_settings["inference_dtype"], discrete)
             self.sync_gate.snapshot()
+        self._faults = {"env_runner_failures": 0, "lost_env_steps": 0, "env_runners_restored": 0,
+                        "nonfinite_episodes_dropped": 0, "nonfinite_env_steps_dropped": 0}
+        stability = validate_stability(self.config.stability_settings)
+        self.anomaly = None
+        self.alerts: list = []
+        self.alerts_path = stability["alerts_path"]
+        if stability["anomaly_detection"]:
+            self.anomaly = AnomalyDetector(stability, self.config.moe_settings["num_experts"])
+        from .prometheus import PrometheusExporter   # every row to Ray's Prometheus endpoint
+        run = os.path.basename(os.path.dirname(os.path.abspath(self.alerts_path))) if self.alerts_path else "moe_rl"
+        self.prometheus = PrometheusExporter(run=run, num_experts=self.config.moe_settings["num_experts"])
+
+    def step(self):
+        results = super().step()
+        self._watch(results)
+        return results
+
+    def _watch(self, results) -> None:
+        """Anomaly detection (if enabled) over this iteration's metrics (and every actor's RSS): new
+        alerts go to the results (`moe_rl/alerts/*`, `moe_rl_alerts`), the log, and
+        `stability.alerts_path`; then the row and the alerts go to Prometheus (moe_rl.prometheus)."""
+        from .run_dir import metrics_row, write_table
+        figures = results.setdefault("moe_rl", {})
+        figures["memory/rss_mb/driver"] = rss_mb()
+        if self.config.num_env_runners > 0:
+            try:
+                for i, v in enumerate(self.env_runner_group.foreach_env_runner(
+                        lambda r: rss_mb(), local_env_runner=False)):
+                    figures[f"memory/rss_mb/runner{i + 1}"] = v
+            except ray.exceptions.RayError:   # a dead runner: fault tolerance handles it, not this watch
+                pass
+        row = metrics_row({**results, "training_iteration": self.iteration + 1})
+        new = []
+        if self.anomaly is not None:
+            new = self.anomaly.observe(row)
+            self.alerts.extend(new)
+            figures["alerts/new"], figures["alerts/total"] = len(new), len(self.alerts)
+            results["moe_rl_alerts"] = new
+            for a in new:
+                logger.warning("moe-rl alert: iteration %d %s: %s", a["iteration"], a["kind"], a["message"])
+            if new and self.alerts_path:
+                write_table(self.alerts_path, self.alerts)
+        self.prometheus.export(row, new)
 
     def cleanup(self) -> None:
         if getattr(self, "sync_gate", None) is not None:
             self.sync_gate.close()
+        if getattr(self, "prometheus", None) is not None:
+            self.prometheus.close()
         super().cleanup()
 
     def training_step(self) -> None:
@@ -168,7 +224,11 @@ class MoEPPO(PPO):
 
     # --- the three steps --------------------------------------------------------------------------
     def _sample(self):
-        """Rollout actors step their envs with the inference copy (weights version v)."""
+        """Rollout actors step their envs with the inference copy (weights version v). A rollout
+        actor that dies mid-sample costs only its in-flight request: the others fill the batch, the
+        loss is counted (`faults/*`), and RLlib restarts the actor before the next iteration.
+        Episodes with non-finite observations or rewards are dropped here and counted."""
+        healthy = self.env_runner_group.num_healthy_remote_workers()
         with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
             by_agent = self.config.count_steps_by == "agent_steps"
             episodes, runner_results = synchronous_parallel_sample(
@@ -179,7 +239,44 @@ class MoEPPO(PPO):
                 _uses_new_env_runners=True, _return_metrics=True)
             if episodes:
                 self.metrics.aggregate(runner_results, key=ENV_RUNNER_RESULTS)
+        failed = max(0, healthy - self.env_runner_group.num_healthy_remote_workers())
+        self._faults["env_runner_failures"] += failed
+        # A failed request loses what it was asked for: one rollout fragment per vectorised env.
+        self._faults["lost_env_steps"] += failed * self.config.get_rollout_fragment_length() * max(
+            1, self.config.num_envs_per_env_runner)
+        # Episodes with NaN/Inf observations or rewards never reach the checks or the learners.
+        episodes, dropped, steps = drop_nonfinite(episodes or [])
+        self._faults["nonfinite_episodes_dropped"] += dropped
+        self._faults["nonfinite_env_steps_dropped"] += steps
+        self._log_faults()
         return episodes
+
+    def _log_faults(self) -> None:
+        for k, v in self._faults.items():
+            self.metrics.log_value(("moe_rl", f"faults/{k}"), v, window=1)
+
+    def restore_env_runners(self, env_runner_group):
+        """RLlib restarts failed rollout actors and syncs them from the local EnvRunner or the
+        learner group; with the DeepSpeed group that is not the version the rollouts run (the
+        gate may hold). A replacement takes the module state of a healthy peer (or, with none
+        left, the learners' published shards) before it samples."""
+        restored = super().restore_env_runners(env_runner_group)
+        if not restored or env_runner_group is not self.env_runner_group:
+            return restored
+        self._faults["env_runners_restored"] += len(restored)
+        peers = [i for i in env_runner_group.healthy_env_runner_ids() if i not in restored]
+        if peers:
+            state = env_runner_group.foreach_env_runner(
+                lambda r: r.get_state(components=[COMPONENT_RL_MODULE, WEIGHTS_SEQ_NO]),
+                remote_worker_ids=peers[:1], local_env_runner=False)[0]
+            ref = ray.put(state)
+            env_runner_group.foreach_env_runner(lambda r: r.set_state(ray.get(ref)), remote_worker_ids=restored,
+                                                local_env_runner=False)
+        elif hasattr(self.learner_group, "publish_weights"):
+            refs, seq_no = self.learner_group.publish_weights(), self.learner_group.weights_seq_no
+            env_runner_group.foreach_env_runner(lambda r: load_shards_into_runner(r, refs, seq_no),
+                                                remote_worker_ids=restored, local_env_runner=False)
+        return restored
 
     def _update(self, episodes):
         """PPO epochs on the learner group (RLlib's LearnerGroup or the DeepSpeed one)."""
@@ -214,7 +311,8 @@ class MoEPPO(PPO):
                 return
             refs, seq_no = self.learner_group.publish_weights(), self.learner_group.weights_seq_no
             self.env_runner_group.foreach_env_runner(
-                lambda runner: load_shards_into_runner(runner, refs, seq_no), local_env_runner=False)
+                lambda runner: load_shards_into_runner(runner, refs, seq_no),
+                local_env_runner=self.config.num_env_runners == 0)  # 0: the local runner samples
 
 
 def load_shards_into_runner(runner, shard_refs, weights_seq_no: int) -> None:

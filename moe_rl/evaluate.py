@@ -1,4 +1,4 @@
-"""Greedy evaluation of a run's last checkpoint (no Ray needed: the RLModule loads from disk)."""
+"""Greedy evaluation of a run's newest good checkpoint (no Ray needed: the RLModule loads from disk)."""
 from __future__ import annotations
 
 import os
@@ -53,16 +53,17 @@ def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
     import gymnasium as gym
 
     import envs  # noqa: F401  registers moe_rl/ envs
-    from .run_dir import latest_checkpoint
+
+    from .checkpoint import latest_good_checkpoint
 
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"RUN_DIR: must be a moe-rl run directory with config.yaml, got {run_dir!r}")
     if episodes < 1:
         raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = latest_good_checkpoint(run_dir)  # verified against its manifest; bad ones are reported
     if ckpt is None:
-        raise ConfigError(f"RUN_DIR: {run_dir!r} has no checkpoint under checkpoints/")
+        raise ConfigError(f"RUN_DIR: {run_dir!r} has no good checkpoint under checkpoints/")
     with open(cfg_path) as f:
         cfg = yaml.safe_load(f)
     env = gym.make(cfg["env"], **(cfg.get("env_config") or {}))

@@ -20,6 +20,12 @@ import torch
 from .moe import RoutingRecord
 
 GRADES = ("healthy", "warning", "danger")
+# Utilisation-share bands in units of 1/N: healthy in [0.8/N, 3/N]; danger below 0.3/N or above 8/N.
+DANGER_LOW, WARN_LOW, WARN_HIGH, DANGER_HIGH = 0.3, 0.8, 3.0, 8.0
+CV_WARN, CV_DANGER = 0.5, 1.0
+# Per-expert columns (utilisation share, logit mean/std) are logged up to this many experts: beyond
+# it they would swamp metrics.parquet and TensorBoard (the layer-level figures remain).
+PER_EXPERT_MAX = 64
 
 
 def expert_counts(top_k_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -44,9 +50,9 @@ def balance_metrics(counts: torch.Tensor) -> Dict[str, float]:
     mean = c.mean().item()
     cv = (c.std(unbiased=False).item() / mean) if mean > 0 else float("inf")
     min_u, max_u = util.min().item(), util.max().item()
-    health = max(_grade(min_u, 0.8 / n, 0.3 / n, True),
-                 _grade(max_u, 3.0 / n, 8.0 / n, False),
-                 _grade(cv, 0.5, 1.0, False)) if total > 0 else 2
+    health = max(_grade(min_u, WARN_LOW / n, DANGER_LOW / n, True),
+                 _grade(max_u, WARN_HIGH / n, DANGER_HIGH / n, False),
+                 _grade(cv, CV_WARN, CV_DANGER, False)) if total > 0 else 2
     return {"min_util": min_u, "max_util": max_u, "cv": cv,
             "active_experts": int((counts > 0).sum().item()), "health": health}
 
@@ -98,12 +104,27 @@ WORST_OF = {"min_util": min, "max_util": max, "cv": max, "active_experts": min,
             "health": max, "router_entropy": min, "router_entropy_norm": min}
 
 
+def per_expert(record: RoutingRecord) -> Dict[str, float]:
+    """`util/e{j}` (share of the assignments), `logit_mean/e{j}`, `logit_std/e{j}` of one layer."""
+    counts = expert_counts(record.top_k_indices, record.num_experts).double()
+    share = (counts / counts.sum().clamp_min(1)).tolist()
+    stats = logit_stats(record.router_logits.detach())
+    out = {f"util/e{j}": v for j, v in enumerate(share)}
+    for k in ("logit_mean", "logit_std"):
+        out.update({f"{k}/e{j}": v for j, v in enumerate(stats[k])})
+    return out
+
+
 def health_summary(records: Iterable[RoutingRecord]) -> Dict[str, float]:
-    """`moe/layer{i}/<metric>` for every layer plus `moe/<metric>` for the worst layer."""
+    """`moe/layer{i}/<metric>` for every layer (per expert too, up to PER_EXPERT_MAX experts) plus
+    `moe/<metric>` for the worst layer."""
+    records = list(records)
     per_layer = [layer_health(r) for r in records]
     out = {}
-    for i, m in enumerate(per_layer):
+    for i, (m, r) in enumerate(zip(per_layer, records)):
         out.update({f"moe/layer{i}/{k}": v for k, v in m.items()})
+        if r.num_experts <= PER_EXPERT_MAX:
+            out.update({f"moe/layer{i}/{k}": v for k, v in per_expert(r).items()})
     for key, worst in WORST_OF.items():
         out[f"moe/{key}"] = worst(m[key] for m in per_layer)
     return out

@@ -65,6 +65,13 @@ class RoutingRecord:
         """[T, N] softmax(router_logits), computed on demand (rollouts never need it)."""
         return self.router_logits.softmax(dim=-1)
 
+    def rows(self, index: torch.Tensor) -> "RoutingRecord":
+        """The record of a subset of the tokens (every per-token field indexed alike)."""
+        def take(t):
+            return None if t is None else t[index]
+        return RoutingRecord(self.top_k_indices[index], self.gate_weights[index], self.router_logits[index],
+                             take(self.dropped), take(self.selection_logp), take(self.baseline))
+
 
 def sinkhorn(scores: torch.Tensor, top_k: int = 1, epsilon: float = 0.1,
              max_iters: int = 200, tol: float = 1e-4) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .moe import MoELayer, RoutingRecord
@@ -39,6 +40,14 @@ class MoEBlock(nn.Module):
         return h + y, rec
 
 
+def maybe_checkpoint(enabled: bool, fn, *args):
+    """Activation checkpointing in training: keep only the block inputs, recompute the rest in
+    backward (the RNG state is replayed, so expert dropout and sampled routing recompute alike)."""
+    if enabled and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 def _replay_for(replay: Optional[torch.Tensor], i: int) -> Optional[torch.Tensor]:
     """replay: [B, L, k] recorded top-k per layer -> layer i's [B, k]."""
     return None if replay is None else replay[:, i]
@@ -53,6 +62,7 @@ class MoEMLPTrunk(nn.Module):
         self.embed = nn.Linear(obs_dim, s["d_model"])
         self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s["num_layers"]))
         self.task_slice = task_slice
+        self.checkpointing = s["activation_checkpointing"]
 
     def forward(self, obs: torch.Tensor, replay: Optional[torch.Tensor] = None):
         obs = obs.reshape(obs.shape[0], -1)
@@ -63,7 +73,7 @@ class MoEMLPTrunk(nn.Module):
         h = torch.tanh(self.embed(obs))
         records: List[RoutingRecord] = []
         for i, block in enumerate(self.blocks):
-            h, rec = block(h, _replay_for(replay, i), task_ids)
+            h, rec = maybe_checkpoint(self.checkpointing, block, h, _replay_for(replay, i), task_ids)
             records.append(rec)
         return h, records
 
@@ -97,6 +107,24 @@ class MoETransformerTrunk(nn.Module):
         self.attns = nn.ModuleList(CausalSelfAttention(d, s["num_heads"]) for _ in range(s["num_layers"]))
         self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s["num_layers"]))
         self.final_norm = nn.LayerNorm(d)
+        self.checkpointing = s["activation_checkpointing"]
+
+    def _layer(self, i, h, pad, last, replay):
+        """Attention then MoE over every position; the record keeps the current position's routing
+        (what drove the action), and replay forces only that position."""
+        B, L, _ = h.shape
+        block = self.blocks[i]
+        h = h + self.attns[i](self.attn_norms[i](h), pad)
+        y, rec = block.moe(block.norm(h).reshape(B * L, -1))
+        if replay is not None:
+            cur = block.norm(h)[torch.arange(B), last]
+            y_cur, rec = block.moe(cur, replay_indices=replay)
+            y = y.view(B, L, -1).clone()
+            y[torch.arange(B), last] = y_cur
+        else:
+            y = y.view(B, L, -1)
+            rec = rec.rows(torch.arange(B, device=h.device) * L + last)
+        return h + y, rec
 
     def forward(self, obs: dict, replay: Optional[torch.Tensor] = None):
         tokens = obs["tokens"].long()
@@ -112,24 +140,36 @@ class MoETransformerTrunk(nn.Module):
         h = self.tok(seq) + self.pos(torch.arange(L, device=seq.device))[None]
         records = []
         last = position.clamp(max=L - 1)
-        for i, (norm, attn, block) in enumerate(zip(self.attn_norms, self.attns, self.blocks)):
-            h = h + attn(norm(h), pad)
-            # MoE over every position; the record keeps the current position's routing (what
-            # drove the action), and replay forces only that position.
-            y, rec = block.moe(block.norm(h).reshape(B * L, -1))
-            if replay is not None:
-                cur = block.norm(h)[torch.arange(B), last]
-                y_cur, rec = block.moe(cur, replay_indices=replay[:, i])
-                y = y.view(B, L, -1).clone()
-                y[torch.arange(B), last] = y_cur
-            else:
-                y = y.view(B, L, -1)
-                sel = torch.arange(B, device=seq.device) * L + last
-                rec = RoutingRecord(rec.top_k_indices[sel], rec.gate_weights[sel], rec.router_logits[sel],
-                                    None if rec.dropped is None else rec.dropped[sel])
-            h = h + y
+        for i in range(len(self.blocks)):
+            h, rec = maybe_checkpoint(self.checkpointing, self._layer, i, h, pad, last,
+                                      None if replay is None else replay[:, i])
             records.append(rec)
         return self.final_norm(h[torch.arange(B), last]), records
+
+
+class DualBranchHead(nn.Module):
+    """Parallel dual-branch policy head (seed 000's architecture finding): a linear branch plus a
+    small MLP branch, summed. Both output layers start near zero: a near-uniform initial policy."""
+
+    def __init__(self, d: int, out: int):
+        super().__init__()
+        self.linear = nn.Linear(d, out)
+        self.mlp = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, out))
+        for last in (self.linear, self.mlp[-1]):
+            nn.init.normal_(last.weight, std=0.01)
+            nn.init.zeros_(last.bias)
+
+    def forward(self, h):
+        return self.linear(h) + self.mlp(h)
+
+
+def policy_head(kind: str, d: int, out: int) -> nn.Module:
+    if kind == "dual":
+        return DualBranchHead(d, out)
+    head = nn.Linear(d, out)
+    nn.init.normal_(head.weight, std=0.01)   # near-uniform initial policy
+    nn.init.zeros_(head.bias)
+    return head
 
 
 def mlp(sizes: Sequence[int], out: int) -> nn.Sequential:

@@ -20,7 +20,7 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from torch import nn
 
-from .policy import MoEMLPTrunk, MoETransformerTrunk, mlp
+from .policy import MoEMLPTrunk, MoETransformerTrunk, mlp, policy_head
 from .settings import MOE_DEFAULTS, validate_moe
 
 MOE_TOPK = "moe_topk"          # [B, L, k] top-k experts per MoE layer, recorded at rollout time
@@ -51,14 +51,12 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.trunk = MoEMLPTrunk(obs_dim, s, s["task_slice"])
             vf_in = obs_dim
         if isinstance(self.action_space, gym.spaces.Discrete):
-            self.pi = nn.Linear(s["d_model"], int(self.action_space.n))
+            self.pi = policy_head(s["policy_head"], s["d_model"], int(self.action_space.n))
             self.log_std = None
         else:
             act_dim = int(np.prod(self.action_space.shape))
-            self.pi = nn.Linear(s["d_model"], act_dim)
+            self.pi = policy_head(s["policy_head"], s["d_model"], act_dim)
             self.log_std = nn.Parameter(torch.zeros(act_dim))
-        nn.init.normal_(self.pi.weight, std=0.01)   # near-uniform initial policy
-        nn.init.zeros_(self.pi.bias)
         if not self.inference_only:
             self.vf = mlp([vf_in, *s["vf_hiddens"]], 1)
         self.replay_routing = s["routing_replay"]
@@ -87,6 +85,11 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         return logits, records
 
     def _forward(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
+        obs = batch[Columns.OBS]
+        if not self.is_token_policy and torch.is_floating_point(obs):
+            # A NaN/Inf observation must not crash the rollout actor (NaN action probabilities);
+            # it acts on zeros here and its episode is dropped before learning (moe_rl.sample_filter).
+            batch = {**batch, Columns.OBS: torch.nan_to_num(obs, nan=0.0, posinf=0.0, neginf=0.0)}
         logits, records = self._policy(batch)
         topk = torch.stack([r.top_k_indices for r in records], 1).to(self.topk_dtype)
         return {Columns.ACTION_DIST_INPUTS: logits, MOE_TOPK: topk}

@@ -8,6 +8,9 @@ A run config is a plain mapping whose sections are named after the MoEPPOConfig 
     iterations: 60
     stop_return: 475            # stop early once the mean episode return reaches this (null: never)
     checkpoint_every: 10
+    checkpoint_keep: 3          # keep the newest K checkpoints
+    checkpoint_verify_every_s: 7200   # reload-and-compare a checkpoint at most this often (0: every one)
+    restore_on_learner_failure: true  # a dead DeepSpeed learner: rebuild the group, restore the last good one
     env_runners: {num_env_runners: 1, num_envs_per_env_runner: 8}
     learners: {num_learners: 0}
     training: {lr: 0.0003, ...}  # PPOConfig.training keys
@@ -32,7 +35,9 @@ from .settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
 
 BUILDER_SECTIONS = ("env_runners", "learners", "training")
 TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "stop_return": (int, float, type(None)),
-             "checkpoint_every": int, "output": str}
+             "checkpoint_every": int, "output": str, "checkpoint_keep": int,
+             "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool}
+RUN_DEFAULTS = {"checkpoint_keep": 3, "checkpoint_verify_every_s": 7200, "restore_on_learner_failure": True}
 SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency")
 
 
@@ -93,12 +98,16 @@ def validate_run_config(cfg: Dict[str, Any]):
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key, allowed: {', '.join(sorted(set(TOP_LEVEL) | set(SECTIONS)))}")
     for key, typ in TOP_LEVEL.items():
-        if key in cfg and (not isinstance(cfg[key], typ) or isinstance(cfg[key], bool)):
+        if key in cfg and (not isinstance(cfg[key], typ) or (isinstance(cfg[key], bool) and typ is not bool)):
             names = "/".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
             raise ConfigError(f"{key}: must be of type {names}, got {cfg[key]!r}")
-    for key in ("iterations", "checkpoint_every"):
+    for key in ("iterations", "checkpoint_every", "checkpoint_keep"):
         if key in cfg and cfg[key] < 1:
             raise ConfigError(f"{key}: must be an int >= 1, got {cfg[key]!r}")
+    verify_s = cfg.get("checkpoint_verify_every_s", 0)
+    if not math.isfinite(verify_s) or verify_s < 0:
+        raise ConfigError(f"checkpoint_verify_every_s: must be a finite number >= 0 (0: every checkpoint), "
+                          f"got {verify_s!r}")
     if "seed" in cfg and cfg["seed"] < 0:
         raise ConfigError(f"seed: must be an int >= 0, got {cfg['seed']!r}")
     if cfg.get("stop_return") is not None and not math.isfinite(cfg["stop_return"]):
@@ -128,7 +137,9 @@ def validate_run_config(cfg: Dict[str, Any]):
     validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
     resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
     from .consistency import validate_consistency
+    from .stability import validate_stability
     validate_consistency(config.consistency_settings)
+    validate_stability(config.stability_settings)
     try:
         config.validate()
     except ValueError as e:  # RLlib's own checks: keep their message, one line
@@ -179,9 +190,11 @@ def _check_env(env_id: str) -> None:
 def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     """The fully resolved run config written to RUN_DIR/config.yaml."""
     out = {k: cfg[k] for k in TOP_LEVEL if k in cfg}
+    out.update({k: cfg.get(k, v) for k, v in RUN_DEFAULTS.items()})
     out["moe"] = dict(config.moe_settings)
     out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
-    out["stability"] = dict(config.stability_settings)
+    from .stability import validate_stability
+    out["stability"] = validate_stability(config.stability_settings)
     from .consistency import validate_consistency
     out["consistency"] = validate_consistency(config.consistency_settings)
     for section in BUILDER_SECTIONS:

@@ -22,6 +22,7 @@ import yaml
 from .metrics import GRADES
 
 LEARNER_KEYS = ("policy_loss", "vf_loss", "entropy", "mean_kl_loss", "aux_loss", "z_loss")
+LEARNER_PREFIXES = ("moe/", "stability/", "tis/", "reinforce_router_loss")
 
 
 def _float(v) -> float:
@@ -46,7 +47,7 @@ def metrics_row(result: Dict[str, Any], module_id: str = "default_policy") -> Di
     }
     row.update({k: _float(learner.get(k)) for k in LEARNER_KEYS})
     for k, v in sorted(learner.items()):
-        if k.startswith("moe/"):
+        if k.startswith(LEARNER_PREFIXES):
             row[k] = _float(v)
     level = row.get("moe/health")
     if level is not None and not math.isnan(level):
@@ -82,10 +83,65 @@ def write_table(path: str, rows: List[Dict[str, Any]]) -> None:
     atomic_write_bytes(path, sink.getvalue().to_pybytes())
 
 
-class RunDir:
-    """Owns one run directory. Created up front so an unwritable output fails before training."""
+def is_uri(path: str) -> bool:
+    return "://" in path
 
-    def __init__(self, path: str, resolved_config: Dict[str, Any]):
+
+class Mirror:
+    """Copies a local run directory to a pyarrow filesystem URI (s3://, gs://, hdfs://, file://...)
+    incrementally: files whose size or mtime changed go up, files deleted locally (pruned
+    checkpoints) are deleted there. The run writes locally (atomic renames, Parquet, DeepSpeed) and
+    the storage path is a copy that trails it by at most one iteration."""
+
+    def __init__(self, uri: str):
+        from pyarrow import fs
+        try:
+            self.fs, self.root = fs.FileSystem.from_uri(uri)
+            self.fs.create_dir(self.root, recursive=True)
+        except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
+            raise OSError(f"output: cannot use the storage URI {uri!r}: {str(e).splitlines()[0]}") from None
+        self.uri = uri
+        self._sent: Dict[str, tuple] = {}
+
+    def sync(self, local_root: str) -> None:
+        from pyarrow import fs
+        seen = set()
+        for dirpath, dirnames, filenames in os.walk(local_root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".tmp-")]   # unfinished checkpoints
+            for name in filenames:
+                if name.startswith(".tmp-"):
+                    continue
+                local = os.path.join(dirpath, name)
+                rel = os.path.relpath(local, local_root).replace(os.sep, "/")
+                st = os.stat(local)
+                seen.add(rel)
+                if self._sent.get(rel) == (st.st_size, st.st_mtime_ns):
+                    continue
+                target = f"{self.root}/{rel}"
+                self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+                fs.copy_files(local, target, destination_filesystem=self.fs)
+                self._sent[rel] = (st.st_size, st.st_mtime_ns)
+        gone = sorted(set(self._sent) - seen)
+        for rel in gone:
+            self.fs.delete_file(f"{self.root}/{rel}")
+            del self._sent[rel]
+        # A pruned (or quarantined) checkpoint goes as a whole directory, not as empty folders.
+        for top in sorted({"/".join(rel.split("/")[:2]) for rel in gone if rel.startswith("checkpoints/")}):
+            if not os.path.exists(os.path.join(local_root, top)):
+                self.fs.delete_dir(f"{self.root}/{top}")
+
+
+class RunDir:
+    """Owns one run directory. Created up front so an unwritable output fails before training.
+
+    `path` may be a pyarrow filesystem URI: the run then writes to a local staging directory
+    (`staging`, default a new temporary directory) and `sync()` mirrors it to the URI."""
+
+    def __init__(self, path: str, resolved_config: Dict[str, Any], staging: Optional[str] = None):
+        self.mirror = None
+        if is_uri(path):
+            self.mirror = Mirror(path)
+            path = staging or tempfile.mkdtemp(prefix="moe-rl-run-")
         self.path = os.path.abspath(path)
         try:
             os.makedirs(os.path.join(self.path, "checkpoints"), exist_ok=True)
@@ -94,16 +150,38 @@ class RunDir:
         except OSError as e:
             raise OSError(f"output: cannot write the run directory {self.path!r}: {e.strerror}") from None
         self.rows: List[Dict[str, Any]] = []
+        self.resolved_config = resolved_config
         self._tb = None
 
     @property
     def checkpoints(self) -> str:
         return os.path.join(self.path, "checkpoints")
 
+    @property
+    def location(self) -> str:
+        """Where the run lands: the storage URI, or the local directory."""
+        return self.mirror.uri if self.mirror else self.path
+
+    def sync(self) -> None:
+        if self.mirror is not None:
+            self.mirror.sync(self.path)
+
     def log(self, row: Dict[str, Any]) -> None:
         self.rows.append(row)
         write_table(os.path.join(self.path, "metrics.parquet"), self.rows)
         self._tensorboard(row)
+
+    def amend_last(self, extra: Dict[str, Any]) -> None:
+        """Add figures known only after the row was logged (checkpoint verification)."""
+        if extra and self.rows:
+            self.rows[-1].update(extra)
+            write_table(os.path.join(self.path, "metrics.parquet"), self.rows)
+            self._tensorboard({"iteration": self.rows[-1]["iteration"], **extra})
+
+    def continue_from(self, iteration: int) -> None:
+        """Continue metrics.parquet from a checkpoint: rows after `iteration` are dropped (they are
+        trained again), so the table never holds an iteration twice."""
+        self.rows = truncate_table(os.path.join(self.path, "metrics.parquet"), iteration, self.rows or None)
 
     def _tensorboard(self, row: Dict[str, Any]) -> None:
         if self._tb is None:
@@ -120,9 +198,17 @@ class RunDir:
             self._tb.close()
 
 
+def truncate_table(path: str, iteration: int, rows: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+    """The rows of a per-iteration table (`rows`, or read from `path`) up to `iteration`, rewritten."""
+    if rows is None:
+        rows = pq.read_table(path).to_pylist() if os.path.isfile(path) else []
+    rows = [r for r in rows if r.get("iteration") is not None and r["iteration"] <= iteration]
+    if rows or os.path.isfile(path):
+        write_table(path, rows)
+    return rows
+
+
 def latest_checkpoint(run_dir: str) -> Optional[str]:
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    names = sorted(n for n in os.listdir(root) if n.startswith("iter_"))
-    return os.path.join(root, names[-1]) if names else None
+    """The newest checkpoint that verifies against its manifest (moe_rl.checkpoint)."""
+    from .checkpoint import latest_good_checkpoint
+    return latest_good_checkpoint(run_dir)

@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 from .moe import ACTIVATIONS, DISPATCH_PATHS, ROUTER_INITS, ROUTERS
 
 INFERENCE_DTYPES = ("fp32", "bf16")
+POLICY_HEADS = ("linear", "dual")
 
 MOE_DEFAULTS: Dict[str, Any] = {
     "num_experts": 8,          # N experts per MoE layer
@@ -30,6 +31,9 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "dispatch": "auto",
     "aux_loss_coef": 0.01,     # Switch load-balancing loss weight
     "z_loss_coef": 0.001,      # ST-MoE router z-loss weight
+    "reinforce_loss_coef": 1.0,  # router "reinforce": weight of its policy-gradient loss
+    "activation_checkpointing": False,  # recompute MoE blocks in backward: memory for compute
+    "policy_head": "linear",   # linear | dual (parallel linear + MLP branches, seed 000's finding)
     "inference_dtype": "fp32", # numeric setup of the rollout (inference) copy
     "ep_size": 1,              # expert-parallel degree of the learner group
     "routing_replay": False,   # R3: learner replays the rollout's recorded top-k
@@ -96,10 +100,11 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
           "a number in [0, 1)", s["expert_dropout"])
     for f in ("capacity_factor", "trainer_capacity_factor"):
         _need(s[f] is None or (_is_num(s[f]) and s[f] > 0), f"moe.{f}", "None (dropless) or a number > 0", s[f])
-    for f in ("trainer_second_expert_sampling", "trainer_random_token_selection"):
+    for f in ("trainer_second_expert_sampling", "trainer_random_token_selection", "activation_checkpointing"):
         _need(isinstance(s[f], bool), f"moe.{f}", "true or false", s[f])
     _need(s["dispatch"] in DISPATCH_PATHS, "moe.dispatch", f"one of {DISPATCH_PATHS}", s["dispatch"])
-    for f in ("aux_loss_coef", "z_loss_coef"):
+    _need(s["policy_head"] in POLICY_HEADS, "moe.policy_head", f"one of {POLICY_HEADS}", s["policy_head"])
+    for f in ("aux_loss_coef", "z_loss_coef", "reinforce_loss_coef"):
         _need(_is_num(s[f]) and s[f] >= 0, f"moe.{f}", "a finite number >= 0", s[f])
     _need(s["inference_dtype"] in INFERENCE_DTYPES, "moe.inference_dtype", f"one of {INFERENCE_DTYPES}",
           s["inference_dtype"])

@@ -29,7 +29,9 @@ CASES = [
     ("moe.inference_dtype=fp8", "moe.inference_dtype"), ("moe.experts=4", "moe.experts"),
     ("training.learning_rate=1e-3", "training.learning_rate"), ("consistency.policy=panic", "consistency.policy"),
     ("consistency.thresholds.k9=1", "consistency.thresholds.k9"), ("deepspeed.zero=3", "deepspeed.zero"),
-    ("stability.clip=1", "stability.clip"), ("nonsense=1", "nonsense"), ("env=NoSuchEnv-v0", "env"),
+    ("stability.clip=1", "stability.clip"), ("stability.optimizer=sgd", "stability.optimizer"),
+    ("stability.lr_schedules.decoder.schedule=constant", "stability.lr_schedules"),
+    ("moe.policy_head=triple", "moe.policy_head"), ("nonsense=1", "nonsense"), ("env=NoSuchEnv-v0", "env"),
     # incompatible combinations
     ("moe.ep_size=3", "moe.ep_size"), ("deepspeed.config.zero_optimization.stage=3",
                                        "deepspeed.config.zero_optimization.stage"),

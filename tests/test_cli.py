@@ -58,12 +58,38 @@ def test_evaluate_loads_the_last_checkpoint(run_dir):
     (["train", "--num-learners", "1", "--ep-size", "2"], "moe.ep_size: must be"),
     (["train", "--config", "/nonexistent.yaml"], "--config: must be a readable YAML file"),
     (["evaluate", "/nonexistent-run"], "RUN_DIR: must be a moe-rl run directory"),
+    (["report", "/nonexistent-run"], "RUN_DIR: must be a run directory"),
+    (["train", "--output", "nosuchfs://bucket/run"], "output: cannot use the storage URI"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
     p = moe_rl(*args, timeout=120)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     last = p.stderr.strip().splitlines()[-1]
     assert needle in last, p.stderr
+
+
+def test_report_renders_the_run(run_dir):
+    assert (run_dir / "report.html").is_file()   # train writes it at the end
+    os.unlink(run_dir / "report.html")
+    p = moe_rl("report", str(run_dir), timeout=120)
+    assert p.returncode == 0 and (run_dir / "report.html").stat().st_size > 10_000, p.stderr[-2000:]
+
+
+def test_output_may_be_a_pyarrow_filesystem_uri(tmp_path):
+    """--output file:///...: the run is staged locally and mirrored through pyarrow.fs; pruned
+    checkpoints disappear from the storage path too."""
+    remote = tmp_path / "bucket" / "run"
+    p = moe_rl("train", "--iterations", "3", "--output", remote.as_uri(), "--set", "checkpoint_every=1",
+               "--set", "checkpoint_keep=2", "--set", "training.train_batch_size_per_learner=300",
+               "--set", "training.minibatch_size=100", "--set", "stop_return=null")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"run directory {remote.as_uri()}" in p.stdout
+    assert pq.read_table(remote / "metrics.parquet").num_rows == 3
+    assert sorted(os.listdir(remote / "checkpoints")) == ["iter_000002", "iter_000003"]
+    assert (remote / "checkpoints" / "iter_000003" / "manifest.json").is_file()
+    assert (remote / "report.html").is_file() and (remote / "config.yaml").is_file()
+    from moe_rl.checkpoint import verify_checkpoint
+    verify_checkpoint(str(remote / "checkpoints" / "iter_000003"))   # the copy is byte-exact
 
 
 def test_unwritable_output_is_a_clear_error(tmp_path):

@@ -1,0 +1,471 @@
+"""moe-rl on paper: an analytic cost model of one training iteration at scale.
+
+    .venv/bin/python bench/cost_model.py                 # reference shape: sweeps + break points
+    .venv/bin/python bench/cost_model.py --calibrate     # model vs the figures in BENCHMARKS.md
+    .venv/bin/python bench/cost_model.py --point --gpus 64 --num-experts 128   # one breakdown
+    .venv/bin/python bench/cost_model.py --json          # everything above as JSON
+
+Pure python (no torch, no Ray). It follows the data movement the code does today:
+  step       per MoE layer 4 all-to-alls of the dispatch buffer (DeepSpeed MOELayer: dispatch and
+             combine forward, their gradients backward; actors/deepspeed_moe.py); non-expert grads
+             all-reduced over all learners, expert grads over the expert-data-parallel group
+             (actors/learner.py); nothing overlaps (stage-0 DeepSpeed, blocking all-to-all).
+  sync       each expert-parallel rank puts its shard in its node's object store, every rollout
+             actor ray.get()s all shards (the full model) and loads it (learner_group.publish_weights,
+             algorithm.load_shards_into_runner). Ray moves objects over the nodes' TCP NIC.
+  check      the consistency actor fetches the pre-update shards, one rollout copy, *every*
+             learner's complete local state (replica check) and the candidate shards, all fp32,
+             into one process and compares every tensor on one core (actors/consistency.py).
+  memory     per learner: weights + grads + Adam moments (+ fp32 master in bf16), experts / ep_size,
+             plus a rough activation term.
+Formulas and assumptions: docs/SCALING.md. Every time is a lower bound (peak link bandwidths, no
+contention beyond what is named), so a break point found here is an upper bound on where it breaks.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+GB = 1e9
+MIB = 2**20
+SWEEP_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
+SWEEP_EXPERTS = (8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Setup:
+    # --- model shape (defaults: a seed-scale policy, ~6.5B parameters at 64 experts) ---------
+    d_model: int = 1024
+    d_ff: int = 4096              # expert hidden width; an expert is fc1+fc2 with biases
+    num_layers: int = 12          # MoE layers
+    num_experts: int = 64
+    top_k: int = 2
+    dense_params: int = 100_000_000   # non-expert, non-router params (attention, embeddings, heads, vf)
+    train_only_params: int = 0        # part of dense_params the rollout copy drops (value net)
+    attn_act_factor: float = 10.0     # activation floats per token per layer outside the MoE, x d_model
+    # --- cluster ------------------------------------------------------------------------------
+    gpus: int = 8                 # learners, one GPU each
+    ep_size: str = "node"         # int, "node" = min(E, N, gpus_per_node), "max" = min(E, N)
+    gpus_per_node: int = 8
+    rollout_per_gpu: float = 1.0  # rollout actors per learner GPU
+    rollout_per_node: int = 8     # rollout actors sharing one node (and its NIC, object store)
+    nvlink_gbs: float = 300.0     # per GPU per direction (A100 NVLink3)
+    ib_gbs: float = 25.0          # per GPU (one 200 Gb/s HDR HCA per GPU, rail-optimised)
+    eth_gbs: float = 12.5         # per node (100 GbE, TCP): Ray's object transfers use this
+    fabric: str = "ib"            # NCCL between nodes: "ib" (per GPU) or "eth" (per node, shared)
+    latency_us: float = 5.0       # per collective hop
+    gpu_tflops: float = 312.0     # A100 bf16 dense peak
+    mfu: float = 0.4
+    host_copy_gbs: float = 5.0    # one process copying a state dict (measured here: 4.6)
+    compare_gbs: float = 2.5      # consistency actor, fp32 bytes compared per s (measured here)
+    gpu_mem_gb: float = 80.0
+    host_mem_gb: float = 512.0    # the node the consistency actor runs on
+    # --- run ----------------------------------------------------------------------------------
+    tokens: int = 16384           # per learner per optimizer step
+    steps_per_iter: int = 32      # optimizer steps per PPO iteration (epochs x minibatches)
+    check_every: int = 1          # consistency.every
+    check_fixed_s: float = 0.09   # per-check fixed cost (RPCs, 3 trainer views): measured here
+    precision: str = "bf16"       # "fp32" | "bf16" (bf16 weights/grads/activations, fp32 master)
+    zero_stage: int = 0           # 0 | 1 (1 partitions master + moments over the DP group)
+    capacity_factor: float = 1.0  # dispatch buffer / (T k): 1.0 = balanced dropless
+    sync_dtype: str = "fp32"      # wire format of a weight sync ("fp32" today: numpy has no bf16)
+    inference_dtype: str = "fp32" # rollout copy (moe.inference_dtype)
+    step_compute_s: float = 0.0   # > 0: use this compute time per step instead of FLOPs / (peak x mfu)
+    share_limit: float = 0.10
+
+
+def _bytes(dtype: str) -> int:
+    return {"fp32": 4, "bf16": 2}[dtype]
+
+
+def ep_of(s: Setup) -> int:
+    if s.ep_size == "node":
+        ep = min(s.num_experts, s.gpus, s.gpus_per_node)
+    elif s.ep_size == "max":
+        ep = min(s.num_experts, s.gpus)
+    else:
+        ep = int(s.ep_size)
+    if s.num_experts % ep or s.gpus % ep:
+        raise ValueError(f"ep_size {ep} must divide num_experts {s.num_experts} and gpus {s.gpus}")
+    return ep
+
+
+def params(s: Setup) -> dict:
+    """Parameter counts, named like the code (sharding.is_expert_param)."""
+    per_expert = 2 * s.d_model * s.d_ff + s.d_ff + s.d_model          # fc1 + fc2, with biases
+    routers = s.num_layers * (s.d_model * s.num_experts + s.num_experts)
+    experts = s.num_layers * s.num_experts * per_expert
+    nonexpert = s.dense_params + routers                             # reduced over all learners
+    return {"per_expert": per_expert, "experts": experts, "routers": routers, "nonexpert": nonexpert,
+            "inference": experts + nonexpert - s.train_only_params,  # the rollout copy
+            "active": nonexpert + s.num_layers * s.top_k * per_expert}
+
+
+def _ring(n: int, nbytes: float, bw_gbs: float, s: Setup) -> float:
+    """Ring all-reduce: 2(n-1)/n x bytes at the slowest link, plus 2(n-1) latency hops."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / (bw_gbs * GB) + 2 * (n - 1) * s.latency_us * 1e-6
+
+
+def _inter_gbs(s: Setup) -> float:
+    """Inter-node bandwidth one GPU gets from NCCL."""
+    return s.ib_gbs if s.fabric == "ib" else s.eth_gbs / s.gpus_per_node
+
+
+def memory(s: Setup) -> dict:
+    """Bytes per learner. fp32: w 4 + g 4 + Adam m,v 8. bf16: w 2 + g 2 + master 4 + m,v 8."""
+    p, ep, n = params(s), ep_of(s), s.gpus
+    local_experts = p["experts"] // ep
+    w = g = _bytes(s.precision)
+    opt = 8 + (4 if s.precision == "bf16" else 0)                    # moments (+ fp32 master)
+    dp_dense, dp_expert = (n, n // ep) if s.zero_stage >= 1 else (1, 1)
+    act_floats = (s.attn_act_factor * s.d_model + 2 * s.top_k * s.capacity_factor * s.d_model
+                  + 2 * s.top_k * s.d_ff + 2 * s.d_model)            # per token per layer, rough
+    out = {"expert_param_bytes": local_experts * w,
+           "expert_state_bytes": local_experts * (w + g + opt / dp_expert),
+           "dense_state_bytes": p["nonexpert"] * (w + g + opt / dp_dense),
+           "activation_bytes": s.tokens * s.num_layers * act_floats * _bytes(s.precision)}
+    out["total_bytes"] = out["expert_state_bytes"] + out["dense_state_bytes"] + out["activation_bytes"]
+    return out
+
+
+def step(s: Setup) -> dict:
+    """One optimizer step on one learner: compute, all-to-all, the two gradient all-reduces."""
+    p, ep, n = params(s), ep_of(s), s.gpus
+    b = _bytes(s.precision)
+    compute = s.step_compute_s or 6 * s.tokens * p["active"] / (s.gpu_tflops * 1e12 * s.mfu)
+    # All-to-all: the [E, C, d] dispatch buffer is T k cf d values; (ep-1)/ep of it leaves the rank,
+    # (ep - on_node)/ep of it leaves the node. 4 per MoE layer per step.
+    buf = s.tokens * s.top_k * s.capacity_factor * s.d_model * b
+    on_node = min(ep, s.gpus_per_node)
+    n_a2a = 4 * s.num_layers if ep > 1 else 0
+    intra, inter = n_a2a * buf * (on_node - 1) / ep, n_a2a * buf * (ep - on_node) / ep
+    a2a = 0.0
+    if n_a2a:
+        a2a = max(intra / (s.nvlink_gbs * GB), inter / (_inter_gbs(s) * GB)) + n_a2a * s.latency_us * 1e-6
+    # Gradient all-reduces (DeepSpeed): non-expert over all n ranks, experts over the n/ep ranks
+    # that hold the same experts (ranks r, r+ep, ...: on one node only if n/ep <= gpus_per_node/ep).
+    dense_bytes = p["nonexpert"] * b
+    expert_bytes = p["experts"] // ep * b
+    g = n // ep
+    dense_ar = _ring(n, dense_bytes, s.nvlink_gbs if n <= s.gpus_per_node else _inter_gbs(s), s)
+    expert_ar = _ring(g, expert_bytes, s.nvlink_gbs if n <= s.gpus_per_node else _inter_gbs(s), s)
+    total = compute + a2a + dense_ar + expert_ar
+    return {"compute_s": compute, "a2a_bytes": intra + inter, "a2a_inter_bytes": inter, "a2a_s": a2a,
+            "dense_ar_bytes": 2 * (n - 1) / n * dense_bytes, "dense_ar_s": dense_ar,
+            "expert_ar_bytes": 2 * (g - 1) / g * expert_bytes if g > 1 else 0.0,
+            "expert_ar_s": expert_ar, "step_s": total}
+
+
+def weight_sync(s: Setup) -> dict:
+    """learners -> object store -> every rollout actor (full model each)."""
+    p, ep = params(s), ep_of(s)
+    rollouts = math.ceil(s.gpus * s.rollout_per_gpu)
+    rollout_nodes = math.ceil(rollouts / s.rollout_per_node)
+    source_nodes = math.ceil(ep / s.gpus_per_node)                  # ranks 0..ep-1 publish experts
+    eth, host = s.eth_gbs * GB, s.host_copy_gbs * GB
+
+    def seconds(wire: int, tree: bool = False) -> float:
+        model = p["inference"] * wire                               # what each rollout actor pulls
+        # publish: numpy copy + object-store put of the largest shard (rank 0: experts + dense)
+        publish = 2 * (p["experts"] // ep + p["nonexpert"]) * wire / host
+        # transfer: all pulls start together and are served by the source nodes' NICs (Ray may
+        # serve late pullers from copies already made: the truth lies between this and a tree)
+        transfer = max(rollout_nodes * model / (source_nodes * eth), model / eth)
+        if tree:                                                    # binary tree, not pipelined
+            transfer = math.ceil(math.log2(rollout_nodes + 1)) * model / eth
+        return publish + transfer + model / host                    # + assemble and load_state_dict
+
+    model = p["inference"] * _bytes(s.sync_dtype)
+    return {"model_bytes": model, "rollout_actors": rollouts, "rollout_nodes": rollout_nodes,
+            "network_bytes": rollout_nodes * model, "actor_bytes": rollouts * model,
+            "sync_s": seconds(_bytes(s.sync_dtype)), "sync_fp32_s": seconds(4), "sync_bf16_s": seconds(2),
+            "sync_tree_bf16_s": seconds(2, tree=True),
+            # NCCL broadcast over the GPU fabric, pipelined, bf16, straight into GPU rollout actors
+            "sync_nccl_bf16_s": p["inference"] * 2 / (_inter_gbs(s) * GB),
+            "rollout_copy_bytes": p["inference"] * _bytes(s.inference_dtype)}
+
+
+def check(s: Setup) -> dict:
+    """One consistency check, as actors/consistency.py does it (fp32 numpy everywhere)."""
+    p, ep, n = params(s), ep_of(s), s.gpus
+    dense_inf = p["nonexpert"] - s.train_only_params
+    model = p["inference"] * 4
+    replicas = (n * dense_inf + n // ep * p["experts"]) * 4         # every learner's full local state
+    fetched = 3 * model + replicas                                  # pre-update, rollout copy, candidate
+    publish = 3 * 2 * (p["experts"] // ep + dense_inf) * 4 / (s.host_copy_gbs * GB)
+    fetch = fetched / (s.eth_gbs * GB)                              # into one process on one node
+    compare = (3 * model + replicas) / (s.compare_gbs * GB)         # divergence, update size, finite, replicas
+    # fix: checksums for replicas (8 B per tensor), divergence on 1/8 of the experts, bf16 on the wire
+    sampled = 3 * (dense_inf + p["experts"] / 8) * 2
+    return {"fetched_bytes": fetched, "replica_bytes": replicas,
+            "check_s": s.check_fixed_s + publish + fetch + compare,
+            "actor_peak_bytes": 3 * model + max(replicas, model),
+            "sampled_s": s.check_fixed_s + sampled / (s.eth_gbs * GB) + sampled / (s.compare_gbs * GB)}
+
+
+def evaluate(s: Setup) -> dict:
+    """Everything for one setup. Each *_share judges one term alone: a per-step term against
+    compute + that term, a per-iteration term against training (steps_per_iter full steps) + that
+    term; rollout (sampling) time is not counted, so shares are upper bounds. comm_share is the
+    all-in communication share of a step (what BENCHMARKS.md and the seeds report)."""
+    st, mem, sy, ck = step(s), memory(s), weight_sync(s), check(s)
+    train = s.steps_per_iter * st["step_s"]
+    per_check = ck["check_s"] / s.check_every
+    lim, comp = s.share_limit, st["compute_s"]
+    return {"gpus": s.gpus, "experts": s.num_experts, "ep": ep_of(s), "params": params(s)["inference"],
+            **st, **mem, **sy, **ck, "train_s": train, "iteration_s": train + sy["sync_s"] + per_check,
+            "a2a_share": st["a2a_s"] / (comp + st["a2a_s"]),
+            "dense_ar_share": st["dense_ar_s"] / (comp + st["dense_ar_s"]),
+            "expert_ar_share": st["expert_ar_s"] / (comp + st["expert_ar_s"]),
+            "comm_share": 1 - comp / st["step_s"],
+            "sync_share": sy["sync_s"] / (train + sy["sync_s"]),
+            "check_share": per_check / (train + per_check),
+            # steps per iteration that keep one sync at or under share_limit of training
+            "sync_steps_needed": math.ceil(sy["sync_s"] * (1 - lim) / (lim * st["step_s"])),
+            # smallest consistency.every that keeps the check at or under share_limit
+            "check_every_needed": max(1, math.ceil(ck["check_s"] * (1 - lim) / (lim * train))),
+            "mem_gb": mem["total_bytes"] / GB, "check_actor_gb": ck["actor_peak_bytes"] / GB,
+            "rollout_copy_gb": sy["rollout_copy_bytes"] / GB}
+
+
+# --- sweeps and break points ----------------------------------------------------------------------
+def sweep(base: Setup, field: str, values) -> list[dict]:
+    return [evaluate(dataclasses.replace(base, **{field: v})) for v in values]
+
+
+# term -> (the metric that crosses, what its limit is)
+TERMS = {
+    "a2a": ("a2a_share", "share of step"),
+    "dense_ar": ("dense_ar_share", "share of step"),
+    "expert_ar": ("expert_ar_share", "share of step"),
+    "weight_sync": ("sync_share", "share of iteration"),
+    "consistency_check": ("check_share", "share of iteration"),
+    "learner_memory": ("mem_gb", "GB > gpu_mem_gb"),
+    "rollout_copy_memory": ("rollout_copy_gb", "GB > gpu_mem_gb"),
+    "check_actor_memory": ("check_actor_gb", "GB > host_mem_gb"),
+}
+
+
+def _limit(s: Setup, key: str) -> float:
+    return {"mem_gb": s.gpu_mem_gb, "rollout_copy_gb": s.gpu_mem_gb,
+            "check_actor_gb": s.host_mem_gb}.get(key, s.share_limit)
+
+
+EP_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def break_points(by_gpus: list[dict], by_experts: list[dict], by_ep: list[dict], s: Setup) -> dict:
+    """For each term: the first GPU count, expert count and ep_size (in the three sweeps) where it
+    crosses its limit (None: not within the sweep); for memory also the smallest ep that fits."""
+    out = {}
+    for term, (key, what) in TERMS.items():
+        lim = _limit(s, key)
+
+        def first(rows, col, key=key, lim=lim):
+            r = next((r for r in rows if r[key] > lim), None)
+            return None if r is None else {col: r[col], "value": r[key]}
+        out[term] = {"metric": key, "limit": lim, "what": what, "gpus": first(by_gpus, "gpus"),
+                     "experts": first(by_experts, "experts"), "ep": first(by_ep, "ep")}
+        if key == "mem_gb":
+            fits = next((r for r in by_ep if r[key] <= lim), None)
+            out[term]["smallest_ep_that_fits"] = fits and fits["ep"]
+    return out
+
+
+# --- calibration against BENCHMARKS.md --------------------------------------------------------------
+# bench/bench_learner.py: 1 MoE layer, 64 experts, d 256, expert hidden 1024, top-2, gelu, CartPole
+# (obs 4, 2 actions), 1024 tokens per learner per step, fp32, gloo on one 2-core host.
+# Non-expert params of that module (counted from MoEPolicyModule): embed 4*256+256, LayerNorm 512,
+# pi 256*2+2, value net [4, 64, 64] -> 1 = 4545 (dropped by the rollout copy); router 256*64+64.
+BENCH_LEARNER = {"d_model": 256, "d_ff": 1024, "num_layers": 1, "num_experts": 64, "top_k": 2,
+                 "dense_params": 1280 + 512 + 514 + 4545, "train_only_params": 4545,
+                 "attn_act_factor": 0.0, "tokens": 1024, "precision": "fp32", "gpus_per_node": 2}
+MEASURED_LEARNER = {  # BENCHMARKS.md, "DeepSpeed learner group: ep_size 1 vs 2"
+    1: {"expert_param_bytes": 134_545_408, "peak_rss_mib": [1402.5], "samples_per_s": 2620,
+        "alltoall_share": 0.0, "allreduce_share": 0.096},
+    2: {"expert_param_bytes": 67_272_704, "peak_rss_mib": [1133.5, 1100.4], "samples_per_s": 3062,
+        "alltoall_share": 0.162, "allreduce_share": 0.041},
+}
+# bench/bench_consistency.py --learners 2: the quickstart policy (2 layers, 8 experts, d 64,
+# expert hidden 64, top-2), 2 learners, ep_size 2; s/iter off 3.067, on 3.159.
+QUICKSTART = {"d_model": 64, "d_ff": 64, "num_layers": 2, "num_experts": 8, "top_k": 2,
+              "dense_params": 320 + 256 + 130 + 4545, "train_only_params": 4545, "attn_act_factor": 0.0,
+              "precision": "fp32", "gpus": 2, "ep_size": "2", "gpus_per_node": 2, "check_fixed_s": 0.0}
+MEASURED_CHECK = {"off_s": 3.067, "on_s": 3.159}
+# A one-off probe on this host (docs/SCALING.md): two actors publish half the experts of the
+# bench_learner shape each (numpy copies, object store), a third assembles and loads them.
+MEASURED_SYNC = {"publish_s": 0.039, "load_s": 0.016, "total_s": 0.057}
+
+
+def calibrate() -> list[dict]:
+    rows = []
+    for ep in (1, 2):
+        s = Setup(**BENCH_LEARNER, gpus=ep, ep_size=str(ep))
+        m, st, meas = memory(s), step(s), MEASURED_LEARNER[ep]
+        rows.append({"what": f"expert-param bytes per learner, ep_size {ep}",
+                     "model": m["expert_param_bytes"], "measured": meas["expert_param_bytes"],
+                     "note": "exact (fp32, fc1+fc2 with biases)"})
+        if ep == 2:
+            step_s = 2 * 1024 / meas["samples_per_s"]
+            fwd_a2a_bytes = st["a2a_bytes"] / 2                      # only the forward pair is timed
+            a2a_s = meas["alltoall_share"] * step_s
+            rows.append({"what": "all-to-all bytes sent per learner per step (4 a2a)",
+                         "model": st["a2a_bytes"], "measured": "16.2% of step (forward pair)",
+                         "note": (f"measured forward a2a {1e3 * a2a_s:.0f} ms for {fwd_a2a_bytes / 1e6:.2f} MB"
+                                  f" = {fwd_a2a_bytes / a2a_s / 1e6:.0f} MB/s: gloo on loopback with 2"
+                                  " processes on 2 cores is waiting and scheduling, not a network")})
+            ar_s = meas["allreduce_share"] * step_s
+            rows.append({"what": "gradient all-reduce bytes per learner per step",
+                         "model": st["dense_ar_bytes"] + st["expert_ar_bytes"], "measured": "4.1% of step",
+                         "note": (f"dense only (ep-dp group of 1); measured {1e3 * ar_s:.0f} ms: fixed cost"
+                                  f" (ep_size 1, no peer at all, spent "
+                                  f"{1e3 * MEASURED_LEARNER[1]['allreduce_share'] * 1024 / 2620:.0f} ms)")})
+            m1 = memory(Setup(**BENCH_LEARNER, gpus=1, ep_size="1"))
+            drop = (m1["expert_state_bytes"] - m["expert_state_bytes"]) / MIB
+            rss = [MEASURED_LEARNER[1]["peak_rss_mib"][0] - r for r in meas["peak_rss_mib"]]
+            rows.append({"what": "peak RSS drop ep 1 -> 2 per learner (MiB)", "model": round(drop, 1),
+                         "measured": [round(r, 1) for r in rss],
+                         "note": "model: 32 experts' weights + grads + Adam m, v (fp32)"})
+            sy = weight_sync(dataclasses.replace(s, rollout_per_gpu=0.5))
+            rows.append({"what": "weight sync on one host, bench_learner shape (s)",
+                         "model": round(sy["sync_s"] - sy["model_bytes"] / (s.eth_gbs * GB), 4),
+                         "measured": MEASURED_SYNC["total_s"],
+                         "note": "publish + load only (no network on one host); host_copy_gbs 5"})
+    q = Setup(**QUICKSTART)
+    ck = check(q)
+    overhead = MEASURED_CHECK["on_s"] - MEASURED_CHECK["off_s"]
+    rows.append({"what": "consistency check, quickstart, 2 learners (s per check)",
+                 "model": round(ck["check_s"] - ck["fetched_bytes"] / (q.eth_gbs * GB), 4),
+                 "measured": round(overhead, 3),
+                 "note": (f"bytes term only ({ck['fetched_bytes'] / 1e6:.1f} MB fetched); the measured"
+                          " 0.09 s is fixed cost and is the model's check_fixed_s")})
+    return rows
+
+
+# --- output ---------------------------------------------------------------------------------------
+COLUMNS = [("gpus", "GPUs", "{:>5}"), ("experts", "E", "{:>4}"), ("ep", "ep", "{:>4}"),
+           ("params", "params", "{:>7}"), ("compute_s", "comp ms", "{:>7}"), ("a2a_share", "a2a", "{:>4}"),
+           ("dense_ar_share", "dAR", "{:>4}"), ("expert_ar_share", "eAR", "{:>4}"),
+           ("comm_share", "comm", "{:>4}"), ("mem_gb", "mem GB", "{:>6}"), ("sync_s", "sync s", "{:>6}"),
+           ("sync_share", "sync", "{:>4}"), ("sync_bf16_s", "bf16 s", "{:>6}"), ("check_s", "check s", "{:>7}"),
+           ("check_share", "chk", "{:>4}"), ("check_every_needed", "every", "{:>5}"),
+           ("check_actor_gb", "chk GB", "{:>6}")]
+
+
+def _cell(key: str, v) -> str:
+    if key.endswith("_share"):
+        return f"{100 * v:.0f}%"
+    if key == "params":
+        return f"{v / 1e9:.2f}B" if v >= 1e8 else f"{v / 1e6:.1f}M"
+    if key == "compute_s":
+        return f"{1e3 * v:.0f}"
+    if isinstance(v, float):
+        return f"{v:.3g}" if v < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [" ".join(fmt.format(name) for _, name, fmt in COLUMNS)]
+    lines += [" ".join(fmt.format(_cell(k, r[k])) for k, _, fmt in COLUMNS) for r in rows]
+    return "\n".join(lines)
+
+
+def report(base: Setup, gpus, experts, at_gpus: int, at_experts: int, ep_at: tuple[int, int]) -> dict:
+    by_gpus = sweep(dataclasses.replace(base, num_experts=at_experts), "gpus", gpus)
+    by_experts = sweep(dataclasses.replace(base, gpus=at_gpus), "num_experts", experts)
+    n, e = ep_at
+    by_ep = [evaluate(dataclasses.replace(base, gpus=n, num_experts=e, ep_size=str(ep)))
+             for ep in EP_SWEEP if ep <= min(n, e)]
+    return {"setup": dataclasses.asdict(base), "at_gpus": at_gpus, "at_experts": at_experts, "ep_at": [n, e],
+            "sweep_gpus": by_gpus, "sweep_experts": by_experts, "sweep_ep": by_ep,
+            "break_points": break_points(by_gpus, by_experts, by_ep, base)}
+
+
+def print_report(rep: dict) -> None:
+    s = rep["setup"]
+    inter = f"{s['ib_gbs']:g} GB/s/GPU ib" if s["fabric"] == "ib" else f"{s['eth_gbs']:g} GB/s/node eth"
+    print(f"shape d={s['d_model']} d_ff={s['d_ff']} L={s['num_layers']} k={s['top_k']} dense={s['dense_params']:,};"
+          f" {s['tokens']} tokens/learner/step, {s['steps_per_iter']} steps/iter, {s['precision']},"
+          f" check every {s['check_every']}, ep_size {s['ep_size']};\nNVLink {s['nvlink_gbs']:g} GB/s,"
+          f" inter-node {inter}, object store {s['eth_gbs']:g} GB/s/node; {s['gpu_tflops']:g} TFLOPS x"
+          f" {s['mfu']:g} MFU; {s['rollout_per_gpu']:g} rollout actor/GPU, {s['rollout_per_node']}/node")
+    print("a2a, dAR, eAR: term alone vs compute; comm: all-in share of the step; sync, chk: term alone vs"
+          " training time per iteration;\nsync s: fp32 on the wire (today), bf16 s: bf16 on the wire;"
+          " every: smallest consistency.every for chk <= limit; chk GB: consistency-actor peak")
+    n, e = rep["ep_at"]
+    print(f"\nGPU sweep at {rep['at_experts']} experts\n" + table(rep["sweep_gpus"]))
+    print(f"\nexpert sweep at {rep['at_gpus']} GPUs\n" + table(rep["sweep_experts"]))
+    print(f"\nep_size sweep at {n} GPUs, {e} experts\n" + table(rep["sweep_ep"]))
+    print(f"\nbreak points: first crossing in each sweep (GPUs at {rep['at_experts']} experts, experts at"
+          f" {rep['at_gpus']} GPUs, ep at {n} GPUs x {e} experts)")
+    for term, b in rep["break_points"].items():
+        lim = f"{100 * b['limit']:.0f}%" if b["metric"].endswith("_share") else f"{b['limit']:g} GB"
+        cells = []
+        for col in ("gpus", "experts", "ep"):
+            hit = b[col]
+            cells.append(f"{col} {hit[col]} ({_cell(b['metric'], hit['value'])})" if hit else f"{col} -")
+        extra = f"  fits from ep {b['smallest_ep_that_fits']}" if "smallest_ep_that_fits" in b else ""
+        print((f"  {term:<20} > {lim:<7} " + "".join(f"{c:<22}" for c in cells) + extra).rstrip())
+
+
+def _num(v) -> str:
+    if isinstance(v, list):
+        return ", ".join(map(_num, v))
+    if isinstance(v, float) and v.is_integer() and v > 1000:
+        v = int(v)
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+def print_point(r: dict) -> None:
+    for k, v in r.items():
+        print(f"  {k:<20} {v:.4g}" if isinstance(v, float) else f"  {k:<20} {v}")
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Setup):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                        help=f"default {f.default}")
+    ap.add_argument("--sweep-gpus", default=",".join(map(str, SWEEP_GPUS)))
+    ap.add_argument("--sweep-experts", default=",".join(map(str, SWEEP_EXPERTS)))
+    ap.add_argument("--at-gpus", type=int, default=64, help="GPU count of the expert sweep")
+    ap.add_argument("--at-experts", type=int, default=64, help="expert count of the GPU sweep")
+    ap.add_argument("--ep-at", default="256,256", help="GPUS,EXPERTS of the ep_size sweep")
+    ap.add_argument("--point", action="store_true", help="one setup (--gpus, --num-experts), every term")
+    ap.add_argument("--calibrate", action="store_true", help="model vs BENCHMARKS.md")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = _args(argv)
+    base = Setup(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Setup)})
+    if a.calibrate:
+        rows = calibrate()
+        if a.json:
+            print(json.dumps({"calibration": rows}, indent=1))
+        else:
+            for r in rows:
+                print(f"{r['what']}\n    model {_num(r['model'])}  measured {_num(r['measured'])}  ({r['note']})")
+        return 0
+    if a.point:
+        r = evaluate(base)
+        print(json.dumps(r, indent=1)) if a.json else print_point(r)
+        return 0
+    gpus = [int(x) for x in a.sweep_gpus.split(",")]
+    experts = [int(x) for x in a.sweep_experts.split(",")]
+    n, e = (int(x) for x in a.ep_at.split(","))
+    rep = report(base, gpus, experts, a.at_gpus, a.at_experts, (n, e))
+    print(json.dumps(rep, indent=1)) if a.json else print_report(rep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""The stability toolkit's core (pure torch, no Ray): schedules, clipping, NaN-step skipping,
+router warm-up, winsorizing, projection, LAMB, anomaly detection, settings."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from moe_rl.anomaly import AnomalyDetector
+from moe_rl.moe import MoELayer
+from moe_rl.settings import ConfigError
+from moe_rl.stability import (EXACT_QUANTILE_MAX, Lamb, StabilityToolkit, abs_quantile, expert_dropout_at, lr_at,
+                              orthonormal_basis, project_, set_expert_dropout, validate_stability, winsorize_)
+
+
+class TinyPolicy(nn.Module):
+    """Module paths like the real policy: trunk.*.moe.{router,experts,shared_expert}, pi, vf."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.ModuleDict({"embed": nn.Linear(4, 8),
+                                    "moe": MoELayer(8, 4, 2, 8, shared_expert=True, expert_dropout=0.1)})
+        self.pi = nn.Linear(8, 2)
+        self.vf = nn.Linear(4, 1)
+
+    def loss(self, x):
+        y, rec = self.trunk["moe"](torch.tanh(self.trunk["embed"](x)))
+        return self.pi(y).pow(2).mean() + self.vf(x).pow(2).mean() + rec.router_logits.pow(2).mean()
+
+
+def toolkit(model, **settings):
+    return StabilityToolkit(validate_stability(settings), model.named_parameters())
+
+
+def backward(model, scale=1.0):
+    model.zero_grad(set_to_none=True)
+    (scale * model.loss(torch.randn(32, 4, generator=torch.Generator().manual_seed(1)))).backward()
+
+
+# --- schedules ---------------------------------------------------------------------------------------
+def test_scheduled_learning_rates_match_their_formulas():
+    cos = validate_stability({"lr_schedules": {"experts": {"schedule": "cosine", "lr": 3e-5, "eta_min": 1e-6,
+                                                           "t_max": 10000}}})["lr_schedules"]["experts"]
+    assert lr_at(cos, 0) == pytest.approx(3e-5)
+    assert lr_at(cos, 5000) == pytest.approx(1e-6 + (3e-5 - 1e-6) * 0.5)
+    assert lr_at(cos, 2500) == pytest.approx(1e-6 + (3e-5 - 1e-6) * (1 + math.cos(math.pi / 4)) / 2)
+    assert lr_at(cos, 10000) == pytest.approx(1e-6) and lr_at(cos, 20000) == pytest.approx(1e-6)
+
+    cyc = {"schedule": "cyclic", "lr": 1e-5, "max_lr": 1e-4, "step_size": 2000}
+    assert [lr_at(cyc, t) for t in (0, 1000, 2000, 3000, 4000, 6000)] == pytest.approx(
+        [1e-5, 5.5e-5, 1e-4, 5.5e-5, 1e-5, 1e-4])
+
+    sgdr = {"schedule": "cosine_restarts", "lr": 1e-3, "eta_min": 1e-6, "t_0": 2000, "t_mult": 2, "warmup_steps": 0}
+    # periods [0, 2000), [2000, 6000), [6000, 14000): each restarts at lr
+    assert [lr_at(sgdr, t) for t in (0, 2000, 6000, 14000)] == pytest.approx([1e-3] * 4)
+    assert lr_at(sgdr, 1000) == pytest.approx(1e-6 + (1e-3 - 1e-6) / 2)
+    assert lr_at(sgdr, 4000) == pytest.approx(1e-6 + (1e-3 - 1e-6) / 2)
+    assert lr_at({**sgdr, "t_mult": 1}, 2500) == pytest.approx(lr_at(sgdr, 500))
+
+    warm = {"schedule": "constant", "lr": 5e-6, "warmup_steps": 1000}
+    assert [lr_at(warm, t) for t in (0, 499, 999, 1000, 5000)] == pytest.approx(
+        [5e-9, 2.5e-6, 5e-6, 5e-6, 5e-6])
+
+
+def test_per_group_lrs_reach_the_optimizer_and_advance_only_on_applied_steps():
+    model = TinyPolicy()
+    tk = toolkit(model, lr_schedules={"router": {"schedule": "constant", "lr": 5e-6},
+                                      "experts": {"schedule": "cosine", "lr": 3e-5, "eta_min": 1e-6, "t_max": 4}})
+    opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
+    lrs = []
+    for step in range(3):
+        backward(model)
+        ok, stats = tk.process(1e-3, opt)
+        assert ok
+        by_group = {pg["moe_rl_group"]: pg["lr"] for pg in opt.param_groups}
+        assert by_group["router"] == 5e-6 and by_group["other"] == 1e-3 and by_group["policy_head"] == 1e-3
+        assert stats["stability/lr/experts"] == by_group["experts"]
+        lrs.append(by_group["experts"])
+        opt.step()
+    assert lrs == pytest.approx([3e-5, 1e-6 + (3e-5 - 1e-6) * (1 + math.cos(math.pi / 4)) / 2,
+                                 1e-6 + (3e-5 - 1e-6) / 2])
+
+
+def test_expert_dropout_schedule_reaches_every_moe_layer():
+    spec = {"start": 0.05, "end": 0.2, "steps": 100}
+    assert [expert_dropout_at(spec, t) for t in (0, 50, 100, 500)] == pytest.approx([0.05, 0.125, 0.2, 0.2])
+    model = TinyPolicy()
+    assert set_expert_dropout(model, 0.125) == 1 and model.trunk["moe"].expert_dropout == 0.125
+
+
+# --- clipping, skipping, warm-up ---------------------------------------------------------------------
+def test_per_group_clipping_respects_each_groups_threshold():
+    model = TinyPolicy()
+    tk = toolkit(model, grad_clip=0.01)  # small base: every group is over its threshold
+    opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
+    backward(model, scale=100.0)
+    ok, stats = tk.process(1e-3, opt)
+    assert ok
+    factors = validate_stability({})["grad_clip_factors"]
+    for g in tk.groups:
+        pre = stats[f"stability/grad_norm/{g}"]
+        post = math.sqrt(sum(float(p.grad.pow(2).sum()) for n, p in model.named_parameters()
+                             if tk.group_of[n] == g and p.grad is not None))
+        limit = 0.01 * factors[g]
+        assert pre > limit and post == pytest.approx(limit, rel=1e-4), g
+    # Distinct thresholds: the router gets 0.5x the base, experts 3x.
+    assert stats["stability/clip_coef/router"] < 1 and factors["router"] == 0.5 and factors["experts"] == 3.0
+
+
+def test_groups_under_their_threshold_are_left_alone():
+    model = TinyPolicy()
+    tk = toolkit(model, grad_clip=1e6)
+    opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
+    backward(model)
+    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    tk.process(1e-3, opt)
+    assert all(torch.equal(before[n], p.grad) for n, p in model.named_parameters() if n in before)
+
+
+def test_a_non_finite_gradient_skips_the_step_and_keeps_weights_optimizer_and_schedule():
+    model = TinyPolicy()
+    tk = toolkit(model, lr_schedules={"experts": {"schedule": "cosine", "lr": 1e-2, "t_max": 10}})
+    opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
+    backward(model)
+    assert tk.process(1e-3, opt)[0]
+    opt.step()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}
+    backward(model)
+    model.trunk["moe"].router.gate.weight.grad[0, 0] = float("nan")
+    ok, stats = tk.process(1e-3, opt)
+    assert not ok and stats["stability/skipped_steps"] == 1 and tk.step_count == 1
+    assert all(p.grad is None for p in model.parameters())   # nothing for an optimizer to apply
+    opt.step()  # even a stray step is a no-op: every .grad is None
+    assert all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(moments[k][kk], after[k][kk]) for k in moments for kk in moments[k])
+
+
+def test_router_only_warmup_leaves_every_other_parameter_unchanged():
+    model = TinyPolicy()
+    tk = toolkit(model, router_warmup_steps=3)
+    opt = tk.make_optimizer(tk.param_groups(1e-2), 1e-2)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(3):
+        backward(model)
+        ok, stats = tk.process(1e-2, opt)
+        assert ok and stats["stability/router_warmup"] == 1.0
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(start[n], p) == (".router." not in n), n
+    backward(model)
+    assert tk.process(1e-2, opt)[1]["stability/router_warmup"] == 0.0
+    opt.step()
+    assert not torch.equal(start["pi.weight"], model.pi.weight)
+
+
+# --- gradient surgery ----------------------------------------------------------------------------------
+def test_winsorize_clamps_outliers_even_on_tensors_torch_quantile_refuses():
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    g[3] = 1e6
+    hi = abs_quantile(g, 0.99)
+    winsorize_(g, 0.01)
+    assert g.abs().max() == pytest.approx(float(hi)) and g[3] == pytest.approx(float(hi))
+    big = torch.randn(EXACT_QUANTILE_MAX + 1, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError):
+        torch.quantile(big.abs(), 0.99)
+    big[0] = 1e9
+    winsorize_(big, 0.01)
+    # |N(0,1)| 99th percentile is 2.576; the sampled estimate lands close to it.
+    assert big.abs().max() == pytest.approx(2.576, rel=0.02)
+
+
+def test_projection_is_an_orthogonal_projection():
+    g = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    basis = orthonormal_basis(g, 4)
+    assert torch.allclose(basis @ basis.T, torch.eye(4), atol=1e-5)
+    h = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    once = project_(h.clone(), basis)
+    assert torch.allclose(project_(once.clone(), basis), once, atol=1e-5)   # idempotent
+    assert torch.allclose((h - once) @ basis.T, torch.zeros(16, 4), atol=1e-4)  # residual orthogonal
+    assert once.norm() <= h.norm()
+
+
+def test_projection_in_the_toolkit_keeps_expert_gradients_in_their_subspace():
+    model = TinyPolicy()
+    tk = toolkit(model, projection_rank=2, projection_groups=["experts"])
+    opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
+    backward(model)
+    tk.process(1e-3, opt)
+    name = "trunk.moe.experts.experts.0.fc1.weight"
+    g = dict(model.named_parameters())[name].grad
+    assert torch.linalg.matrix_rank(g) <= 2 and name in tk.get_state()["bases"]
+
+
+def test_lamb_descends_and_bounds_the_trust_ratio():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64) * 5)  # ||w|| ~ 40, above the clamp
+    opt = Lamb([w], lr=0.5, weight_decay=0.0, clamp=10.0)
+    losses = []
+    for _ in range(100):
+        opt.zero_grad()
+        loss = (w - 1).pow(2).sum()
+        loss.backward()
+        before = w.detach().clone()
+        opt.step()
+        # The step length is lr * clamp / ||u|| * ||u|| = lr * min(||w||, clamp).
+        assert (w.detach() - before).norm() <= 0.5 * 10.0 + 1e-4
+        losses.append(loss.item())
+    assert losses[-1] < 0.01 * losses[0]
+
+
+# --- anomaly detection ---------------------------------------------------------------------------------
+def clean_rows(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        noise = torch.randn(4, generator=g).tolist()
+        yield {"iteration": i + 1, "episode_return_mean": 20 + 4 * i + noise[0], "policy_loss": 0.1 * noise[1],
+               "vf_loss": 5 + 0.5 * i + noise[2], "moe/cv": 0.3 + 0.02 * noise[3], "moe/active_experts": 8,
+               "moe/router_entropy_norm": 0.9, "stability/grad_norm/total": 1.0 + 0.1 * abs(noise[0]),
+               "learner/rss_mb/rank0": 500 + 0.1 * i}
+
+
+def detector(**kw):
+    return AnomalyDetector(validate_stability(kw), num_experts=8)
+
+
+def test_anomaly_checker_stays_quiet_on_a_clean_run():
+    d = detector()
+    assert [a for row in clean_rows(300) for a in d.observe(row)] == []
+
+
+def test_anomaly_checker_fires_on_a_planted_spike_and_drop():
+    d = detector()
+    alerts = []
+    for row in clean_rows(60):
+        if row["iteration"] == 40:
+            row["vf_loss"] *= 50
+        if row["iteration"] == 50:
+            row["episode_return_mean"] = 5.0
+        alerts += d.observe(row)
+    assert [(a["iteration"], a["metric"], a["kind"]) for a in alerts] == [
+        (40, "vf_loss", "spike"), (50, "episode_return_mean", "drop")]
+
+
+def test_health_breaches_alert_when_they_start_and_memory_growth_is_caught():
+    d = detector(rss_growth_mb=100)
+    alerts = []
+    for row in clean_rows(40):
+        i = row["iteration"]
+        if 10 <= i < 20:
+            row["moe/active_experts"] = 5           # < 0.8 * 8
+        if i == 30:
+            row["drift/probe_flip_rate"] = 0.9      # routing oscillation
+        row["learner/rss_mb/rank0"] = 500 + (20 * (i - 20) if i > 20 else 0)
+        alerts += d.observe(row)
+    got = [(a["iteration"], a["metric"], a["kind"]) for a in alerts]
+    assert (10, "moe/active_experts", "breach") in got
+    assert sum(m == "moe/active_experts" for _, m, _ in got) == 1   # once per breach, not every iteration
+    assert (30, "drift/probe_flip_rate", "oscillation") in got
+    assert [k for _, m, k in got if m == "learner/rss_mb/rank0"] == ["memory"]
+
+
+# --- settings ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("settings, field", [
+    ({"grad_clip": -1}, "stability.grad_clip"),
+    ({"lr_schedules": {"experts": {"schedule": "linear", "lr": 1e-3}}}, "stability.lr_schedules.experts.schedule"),
+    ({"lr_schedules": {"experts": {"schedule": "cosine", "lr": 1e-3}}}, "stability.lr_schedules.experts.t_max"),
+    ({"lr_schedules": {"experts": {"schedule": "constant", "lr": -1.0}}}, "stability.lr_schedules.experts.lr"),
+    ({"lr_schedules": {"decoder": {"schedule": "constant", "lr": 1e-3}}}, "stability.lr_schedules"),
+    ({"winsorize_p": 0.7}, "stability.winsorize_p"),
+    ({"optimizer": "sgd"}, "stability.optimizer"),
+    ({"router_warmup_steps": -5}, "stability.router_warmup_steps"),
+    ({"expert_dropout_schedule": {"start": 0.05, "end": 1.5, "steps": 10}}, "stability.expert_dropout_schedule.end"),
+    ({"grad_clip_factors": {"router": 0}}, "stability.grad_clip_factors.router"),
+    ({"entropy_band": [0.9, 0.1]}, "stability.entropy_band"),
+    ({"nan_policy": "skip"}, "stability.nan_policy"),
+])
+def test_bad_stability_settings_name_the_field(settings, field):
+    with pytest.raises(ConfigError, match=f"^{field}"):
+        validate_stability(settings)
+
+
+# --- model options -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("token_policy", [False, True])
+def test_activation_checkpointing_gives_the_same_outputs_and_gradients(token_policy):
+    from moe_rl.policy import MoEMLPTrunk, MoETransformerTrunk
+    from moe_rl.settings import MOE_DEFAULTS
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "activation_checkpointing": ckpt,
+             "expert_dropout": 0.1}
+        if token_policy:
+            trunk = MoETransformerTrunk(5, s)
+            obs = {"tokens": torch.randint(0, 5, (6, 8)), "position": torch.randint(0, 8, (6,))}
+        else:
+            trunk = MoEMLPTrunk(4, s)
+            obs = torch.randn(6, 4)
+        h, records = trunk(obs)
+        (h.pow(2).sum() + sum(r.router_logits.pow(2).sum() for r in records)).backward()
+        grads.append({n: p.grad.clone() for n, p in trunk.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
+def test_reinforce_router_records_survive_token_selection():
+    from moe_rl.losses import reinforce_router_loss
+    from moe_rl.policy import MoETransformerTrunk
+    from moe_rl.settings import MOE_DEFAULTS
+    s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "router": "reinforce"}
+    trunk = MoETransformerTrunk(5, s)
+    _, records = trunk({"tokens": torch.randint(0, 5, (6, 8)), "position": torch.randint(0, 8, (6,))})
+    loss = sum(reinforce_router_loss(r, torch.randn(6)) for r in records)
+    loss.backward()
+    assert records[0].selection_logp.shape == (6,)
+    assert trunk.blocks[0].moe.router.gate.weight.grad.abs().sum() > 0
+    assert trunk.blocks[0].moe.router.baseline.weight.grad.abs().sum() > 0
