@@ -110,16 +110,20 @@ def one_run(seed: int, toolkit: bool, iterations: int, nan_rate: float, recipe: 
             "skipped_steps": rows[-1].get("stability/skipped_steps", 0.0) if rows else 0.0}
 
 
+def _mean(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
 def summary(runs, toolkit):
+    """Crash rate; convergence over every run of the arm (a router collapse need not stop learning)."""
     arm = [r for r in runs if r["toolkit"] == toolkit]
-    ok = [r for r in arm if r["crash"] is None]
-    reached = [r["iterations_to_threshold"] for r in ok if r["iterations_to_threshold"] is not None]
-    return {"runs": len(arm), "crashes": len(arm) - len(ok),
-            "crash_rate": (len(arm) - len(ok)) / max(len(arm), 1),
-            "crash_reasons": sorted({r["crash"] for r in arm if r["crash"]}),
-            "reached_threshold": len(reached),
-            "mean_iterations_to_threshold": sum(reached) / len(reached) if reached else None,
-            "mean_final_return": sum(r["final_return"] for r in ok) / len(ok) if ok else None}
+    crashed_runs = [r for r in arm if r["crash"] is not None]
+    reached = [r["iterations_to_threshold"] for r in arm if r["iterations_to_threshold"] is not None]
+    return {"runs": len(arm), "crashes": len(crashed_runs), "crash_rate": len(crashed_runs) / max(len(arm), 1),
+            "crash_reasons": {c: sum(r["crash"] == c for r in arm) for c in sorted({r["crash"] for r in crashed_runs})},
+            "reached_threshold": len(reached), "mean_iterations_to_threshold": _mean(reached),
+            "mean_final_return": _mean([r["final_return"] for r in arm])}
 
 
 def main():

@@ -17,11 +17,12 @@ import re
 from collections import deque
 from typing import Any, Deque, Dict, List
 
-# metric -> which direction is an anomaly
-WATCHED = {"episode_return_mean": "drop", "policy_loss": "spike", "vf_loss": "spike",
-           "mean_kl_loss": "spike", "aux_loss": "spike", "z_loss": "spike",
-           "stability/grad_norm/total": "spike", "drift/k3": "spike", "drift/max_abs_logp_diff": "spike",
-           "moe/cv": "spike"}
+# metric -> (which direction is an anomaly, smallest change that can be one). The floors keep
+# float noise quiet: a K3 or |dlogp| moving by 1e-7 is rounding, whatever its z-score.
+WATCHED = {"episode_return_mean": ("drop", 0.0), "policy_loss": ("spike", 0.0), "vf_loss": ("spike", 0.0),
+           "mean_kl_loss": ("spike", 0.0), "aux_loss": ("spike", 0.0), "z_loss": ("spike", 0.0),
+           "stability/grad_norm/total": ("spike", 0.0), "drift/k3": ("spike", 1e-3),
+           "drift/max_abs_logp_diff": ("spike", 1e-3), "moe/cv": ("spike", 0.05)}
 RSS_KEY = re.compile(r"(^|/)rss_mb(/|$)")
 
 
@@ -64,10 +65,10 @@ class AnomalyDetector:
             alerts.append({"iteration": it, "metric": metric, "kind": kind, "value": float(value),
                            "message": message})
 
-        for key, direction in WATCHED.items():
+        for key, (direction, floor) in WATCHED.items():
             v = row.get(key)
             if _finite(v):
-                self._check_change(key, direction, float(v), alert)
+                self._check_change(key, direction, floor, float(v), alert)
         s, n = self.s, self.num_experts
         lo, hi = s["entropy_band"]
         gl, gh = s["grad_norm_band"]
@@ -92,7 +93,7 @@ class AnomalyDetector:
                 self._check_rss(key, float(v), alert)
         return alerts
 
-    def _check_change(self, key, direction, v, alert) -> None:
+    def _check_change(self, key, direction, floor, v, alert) -> None:
         last = self._last.get(key)
         self._last[key] = v
         if last is None:
@@ -105,7 +106,9 @@ class AnomalyDetector:
             # A floor on the scale: a perfectly flat history must not turn rounding noise into alerts.
             scale = max(1.4826 * mad, 1e-3 * max(abs(last), 1e-6), 1e-12)
             z = (change - med) / scale
-            if direction == "spike" and z > self.s["anomaly_z"]:
+            if abs(change) <= floor:
+                pass
+            elif direction == "spike" and z > self.s["anomaly_z"]:
                 alert(key, "spike", v, f"{key} jumped {last:.4g} -> {v:.4g} (z={z:.1f})")
             elif direction == "drop" and z < -self.s["anomaly_z"]:
                 alert(key, "drop", v, f"{key} fell {last:.4g} -> {v:.4g} (z={z:.1f})")

@@ -154,6 +154,10 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
     print(f"moe-rl: run directory {run.location}" + (f" (staged in {run.path})" if run.mirror else ""),
           flush=True)
     last_verified, failures_in_a_row = -math.inf, 0
+    wandb = None
+    if cfg.get("wandb") is not None:
+        from .wandb_logger import WandbLogger
+        wandb = WandbLogger(cfg["wandb"], run.resolved_config, run.path, os.path.basename(run.location))
     try:
         if resume_from:
             try:
@@ -173,6 +177,8 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
                 row = metrics_row(result)
                 row["faults/learner_restarts"] = restarts
                 run.log(row)
+                if wandb is not None:
+                    wandb.log(row, result.get("moe_rl_alerts", []))
                 print(f"iter {row['iteration']:4d}  steps {row['env_steps_total']:8d}  "
                       f"return {row['episode_return_mean']:8.2f}  health {row.get('moe/health', '-'):8s}  "
                       f"cv {row.get('moe/cv', float('nan')):.2f}  "
@@ -209,6 +215,8 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
         return 1
     finally:
         run.close()
+        if wandb is not None:
+            wandb.close()
         algo.stop()
         if started_ray:
             ray.shutdown()

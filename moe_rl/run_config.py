@@ -17,6 +17,7 @@ A run config is a plain mapping whose sections are named after the MoEPPOConfig 
     moe: {num_experts: 8, ...}   # MoEPPOConfig.moe keys (moe_rl.settings.MOE_DEFAULTS)
     stability: {}
     consistency: {}
+    wandb: {project: moe-rl, mode: offline}   # optional: log every row to Weights & Biases
 
 Everything here fails fast with ConfigError (one line naming the field) before Ray starts.
 """
@@ -36,7 +37,7 @@ from .settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
 BUILDER_SECTIONS = ("env_runners", "learners", "training")
 TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "stop_return": (int, float, type(None)),
              "checkpoint_every": int, "output": str, "checkpoint_keep": int,
-             "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool}
+             "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool, "wandb": (dict, type(None))}
 RUN_DEFAULTS = {"checkpoint_keep": 3, "checkpoint_verify_every_s": 7200, "restore_on_learner_failure": True}
 SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency")
 
@@ -112,6 +113,8 @@ def validate_run_config(cfg: Dict[str, Any]):
         raise ConfigError(f"seed: must be an int >= 0, got {cfg['seed']!r}")
     if cfg.get("stop_return") is not None and not math.isfinite(cfg["stop_return"]):
         raise ConfigError(f"stop_return: must be a finite number or null, got {cfg['stop_return']!r}")
+    from .wandb_logger import validate_wandb
+    validate_wandb(cfg.get("wandb"))
     env = cfg.get("env")
     if not env:
         raise ConfigError("env: must be a gymnasium environment id, got nothing")

@@ -60,6 +60,7 @@ def test_evaluate_loads_the_last_checkpoint(run_dir):
     (["evaluate", "/nonexistent-run"], "RUN_DIR: must be a moe-rl run directory"),
     (["report", "/nonexistent-run"], "RUN_DIR: must be a run directory"),
     (["train", "--output", "nosuchfs://bucket/run"], "output: cannot use the storage URI"),
+    (["train", "--set", "wandb.mode=sometimes"], "wandb.mode: must be online, offline or disabled"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
     p = moe_rl(*args, timeout=120)
@@ -90,6 +91,19 @@ def test_output_may_be_a_pyarrow_filesystem_uri(tmp_path):
     assert (remote / "report.html").is_file() and (remote / "config.yaml").is_file()
     from moe_rl.checkpoint import verify_checkpoint
     verify_checkpoint(str(remote / "checkpoints" / "iter_000003"))   # the copy is byte-exact
+
+
+def test_rows_go_to_weights_and_biases(tmp_path):
+    """wandb (offline mode: no network) receives every row; its run files live in RUN_DIR/wandb."""
+    out = tmp_path / "wb"
+    p = moe_rl("train", "--iterations", "2", "--output", str(out), "--set", "wandb.mode=offline",
+               "--set", "wandb.project=moe-rl-test", "--set", "training.train_batch_size_per_learner=300",
+               "--set", "training.minibatch_size=100", "--set", "stop_return=null")
+    assert p.returncode == 0, p.stderr[-3000:]
+    (run,) = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run-")]
+    (log,) = [f for f in os.listdir(out / "wandb" / run) if f.endswith(".wandb")]
+    data = (out / "wandb" / run / log).read_bytes()
+    assert b"episode_return_mean" in data and b"moe/cv" in data and b"stability/grad_norm/total" in data
 
 
 def test_unwritable_output_is_a_clear_error(tmp_path):

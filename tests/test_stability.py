@@ -317,3 +317,13 @@ def test_reinforce_router_records_survive_token_selection():
     assert records[0].selection_logp.shape == (6,)
     assert trunk.blocks[0].moe.router.gate.weight.grad.abs().sum() > 0
     assert trunk.blocks[0].moe.router.baseline.weight.grad.abs().sum() > 0
+
+
+def test_anomaly_checker_ignores_float_noise_in_drift_figures():
+    d = detector()
+    alerts = []
+    for i, row in enumerate(clean_rows(40)):
+        row["drift/max_abs_logp_diff"] = 2.384e-07 if i != 30 else 4.768e-07   # one ulp-scale step
+        row["drift/k3"] = 0.0 if i != 35 else 0.5                             # a real jump
+        alerts += d.observe(row)
+    assert [(a["metric"], a["kind"]) for a in alerts] == [("drift/k3", "spike")]

@@ -134,3 +134,26 @@ def test_reinforce_router_is_trained_by_its_policy_gradient_loss(ray_local):
         assert not torch.equal(baseline, module.trunk.blocks[0].moe.router.baseline.weight)
     finally:
         algo.stop()
+
+
+def test_schedules_continue_after_a_checkpoint_restore(ray_local, tmp_path):
+    """The toolkit's step count (what every schedule counts) is learner state: it survives a restore."""
+    def build():
+        return (MoEPPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
+                .training(train_batch_size_per_learner=200, minibatch_size=100, num_epochs=1)
+                .moe(num_experts=4, top_k=2, d_model=16, d_ff=16)
+                .stability(lr_schedules={"experts": {"schedule": "cosine", "lr": 1e-3, "t_max": 50}})
+                .debugging(seed=0)).build_algo()
+    algo = build()
+    try:
+        algo.train()
+        steps = algo.learner_group._learner._stability[MID].step_count
+        algo.save_to_path(str(tmp_path / "ckpt"))
+    finally:
+        algo.stop()
+    algo = build()
+    try:
+        algo.restore_from_path(str(tmp_path / "ckpt"))
+        assert steps > 0 and algo.learner_group._learner._stability[MID].step_count == steps
+    finally:
+        algo.stop()
