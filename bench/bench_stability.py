@@ -1,7 +1,7 @@
 """Stability benchmark: a stress config over many seeds with the stability toolkit off and on.
 
     .venv/bin/python bench/bench_stability.py [--seeds 10] [--iterations 20] [--nan-rate 0.0]
-        [--recipe seed|rl] [--arms both|on|off] [--json OUT]
+        [--arms both|on|off] [--on-aux 0.05] [--on-z 0.001] [--json OUT]
 
 Stress: CartPole-v1, 32 experts top-2, aggressive Adam LR (3e-3), small batches (512 steps,
 minibatch 64, 6 epochs). With --nan-rate r, each optimizer step's gradient
@@ -44,9 +44,6 @@ TOOLKIT_ON = {"grad_clip": 1.0, "skip_nonfinite": True, "winsorize_p": 0.01,
               "lr_schedules": {"router": {"schedule": "constant", "lr": LR / 10, "warmup_steps": 50},
                                "experts": {"schedule": "cosine", "lr": LR, "eta_min": LR / 10, "t_max": 2000}}}
 TOOLKIT_OFF = {"skip_nonfinite": False, "anomaly_detection": False}
-# The seeds' clip factors leave the value head at 1.0 x base; a PPO value loss is in squared return
-# units (hundreds on CartPole), so recipe "rl" lets the value head's gradient through (factor 100).
-RECIPES = {"seed": {}, "rl": {"grad_clip_factors": {"value_head": 100.0}}}
 
 
 def nan_injector(rate: float, seed: int):
@@ -59,14 +56,14 @@ def nan_injector(rate: float, seed: int):
     return hook
 
 
-def config(seed: int, toolkit: bool, recipe: str = "seed") -> MoEPPOConfig:
+def config(seed: int, toolkit: bool) -> MoEPPOConfig:
     return (MoEPPOConfig().environment("CartPole-v1")
             .env_runners(num_env_runners=0, num_envs_per_env_runner=4)
             .training(lr=LR, train_batch_size_per_learner=512, minibatch_size=64, num_epochs=6,
                       vf_loss_coeff=0.5, vf_clip_param=1000.0)
             .moe(num_experts=EXPERTS, top_k=2, num_layers=2, d_model=64, d_ff=64,
                  **(TOOLKIT_ON_MOE if toolkit else TOOLKIT_OFF_MOE))
-            .stability(**({**TOOLKIT_ON, **RECIPES[recipe]} if toolkit else TOOLKIT_OFF))
+            .stability(**(TOOLKIT_ON if toolkit else TOOLKIT_OFF))
             .debugging(seed=seed))
 
 
@@ -87,8 +84,8 @@ def crashed(rows):
     return None
 
 
-def one_run(seed: int, toolkit: bool, iterations: int, nan_rate: float, recipe: str):
-    algo = config(seed, toolkit, recipe).build_algo()
+def one_run(seed: int, toolkit: bool, iterations: int, nan_rate: float):
+    algo = config(seed, toolkit).build_algo()
     rows, error = [], None
     if nan_rate > 0:
         algo.learner_group.foreach_learner(lambda l: l.grad_hooks.append(nan_injector(nan_rate, seed)))
@@ -131,16 +128,19 @@ def main():
     p.add_argument("--seeds", type=int, default=10)
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--nan-rate", type=float, default=0.0)
-    p.add_argument("--recipe", choices=tuple(RECIPES), default="seed")
     p.add_argument("--arms", choices=("both", "on", "off"), default="both")
+    p.add_argument("--on-aux", type=float, default=TOOLKIT_ON_MOE["aux_loss_coef"],
+                   help="load-balancing loss weight of the 'on' arm (ablation)")
+    p.add_argument("--on-z", type=float, default=TOOLKIT_ON_MOE["z_loss_coef"], help="z-loss weight of the 'on' arm")
     p.add_argument("--json")
     args = p.parse_args()
+    TOOLKIT_ON_MOE.update(aux_loss_coef=args.on_aux, z_loss_coef=args.on_z)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     runs, t0 = [], time.time()
     try:
         for seed in range(args.seeds):
             for toolkit in {"both": (False, True), "on": (True,), "off": (False,)}[args.arms]:
-                r = one_run(seed, toolkit, args.iterations, args.nan_rate, args.recipe)
+                r = one_run(seed, toolkit, args.iterations, args.nan_rate)
                 runs.append(r)
                 print(f"seed {seed} toolkit {'on ' if toolkit else 'off'}: crash={r['crash']} "
                       f"to_{THRESHOLD:.0f}={r['iterations_to_threshold']} final={r['final_return']:.1f} "

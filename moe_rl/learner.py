@@ -20,6 +20,7 @@ STABILITY_STATE = "moe_rl_stability"
 class MoEPPOTorchLearner(PPOTorchLearner):
     def build(self) -> None:
         self._stability: Dict[str, StabilityToolkit] = {}
+        self._last_routing: Dict[str, list] = {}
         # fn(learner, module_id), run on the parameters' .grad before the stability toolkit:
         # custom gradient surgery, or fault injection in tests.
         self.grad_hooks: List[Callable] = []
@@ -55,18 +56,17 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         p = expert_dropout_at(toolkit.s["expert_dropout_schedule"], toolkit.step_count)
         if p is not None:
             set_expert_dropout(self._module[module_id], p)
-            self.metrics.log_value((module_id, "stability/expert_dropout"), p, window=1)
+            toolkit.last_stats["stability/expert_dropout"] = p
 
     def stability_step(self, module_id, optimizer) -> bool:
         """Run the gradient hooks and the toolkit on this module's .grad; True: take the step.
+        Its figures are logged once per update (after_gradient_based_update).
         Collective under the DeepSpeed learner group: every learner calls it once per step."""
         for hook in self.grad_hooks:
             hook(self, module_id)
         lr_schedule = self._optimizer_lr_schedules.get(optimizer)
         base_lr = lr_schedule.get_current_value() if lr_schedule is not None else self.config.lr
-        apply, stats = self._stability[module_id].process(float(base_lr), optimizer)
-        self.metrics.log_dict(stats, key=module_id, window=1)
-        return apply
+        return self._stability[module_id].process(float(base_lr), optimizer)
 
     def after_step(self, module_id) -> None:
         self._set_expert_dropout(module_id)
@@ -81,6 +81,16 @@ class MoEPPOTorchLearner(PPOTorchLearner):
                 if self.stability_step(module_id, optimizer):
                     optimizer.step()
                     self.after_step(module_id)
+
+    def after_gradient_based_update(self, *, timesteps) -> None:
+        """Once per update, not per minibatch: the toolkit's last figures (group norms, LRs,
+        skipped steps) and the health metrics of the last minibatch's routing."""
+        super().after_gradient_based_update(timesteps=timesteps)
+        for module_id, toolkit in self._stability.items():
+            stats = dict(toolkit.last_stats)
+            if self._last_routing.get(module_id):
+                stats.update(health_summary(self._last_routing.pop(module_id)))
+            self.metrics.log_dict(stats, key=module_id, window=1)
 
     def get_state(self, *args, **kwargs):
         state = super().get_state(*args, **kwargs)
@@ -101,8 +111,10 @@ class MoEPPOTorchLearner(PPOTorchLearner):
             return total
         s = config.moe_settings
         extra, aux, z = moe_aux_losses(records, s["aux_loss_coef"], s["z_loss_coef"])
-        # window=1 like RLlib's own PPO loss stats: the values of the last minibatch.
-        stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), **health_summary(records)}
+        # window=1 like RLlib's own PPO loss stats: the values of the last minibatch. The health
+        # metrics (dozens of keys) are computed once per update from the last minibatch's routing.
+        self._last_routing[module_id] = [r.detach() for r in records]
+        stats = {"aux_loss": aux.detach(), "z_loss": z.detach()}
         reinforce = [r for r in records if r.selection_logp is not None]
         if reinforce:  # REINFORCE router: the PPO advantage is the routing reward
             rl = sum(reinforce_router_loss(r, batch[Postprocessing.ADVANTAGES]) for r in reinforce)

@@ -65,6 +65,12 @@ class RoutingRecord:
         """[T, N] softmax(router_logits), computed on demand (rollouts never need it)."""
         return self.router_logits.softmax(dim=-1)
 
+    def detach(self) -> "RoutingRecord":
+        def d(t):
+            return None if t is None else t.detach()
+        return RoutingRecord(self.top_k_indices, d(self.gate_weights), d(self.router_logits), self.dropped,
+                             d(self.selection_logp), d(self.baseline))
+
     def rows(self, index: torch.Tensor) -> "RoutingRecord":
         """The record of a subset of the tokens (every per-token field indexed alike)."""
         def take(t):

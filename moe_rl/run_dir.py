@@ -7,6 +7,12 @@ metrics.parquet has one row per iteration. Its columns are public API (also Tens
     moe/cv, moe/min_util, moe/max_util, moe/active_experts, moe/router_entropy,
     moe/router_entropy_norm, moe/health (healthy|warning|danger), moe/health_level (0|1|2),
     moe/layer{i}/<same metrics>            per MoE layer; the moe/<metric> columns hold the worst layer.
+    moe/layer{i}/util/e{j}, .../logit_mean/e{j}, .../logit_std/e{j}   per expert (N <= 64)
+    stability/grad_norm/<group>, stability/grad_norm/total, stability/clip_coef/<group>,
+    stability/lr/<group>, stability/skipped_steps, stability/router_warmup, stability/expert_dropout
+    drift/<figure>, drift/decision         the consistency check (drift.parquet has every figure)
+    alerts/new, alerts/total, memory/rss_mb/<actor>, learner/<stat>/rank{r}
+    faults/<counter>, checkpoint/verified, checkpoint/verify_max_abs_diff
 """
 from __future__ import annotations
 

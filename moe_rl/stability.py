@@ -291,6 +291,7 @@ class StabilityToolkit:
         self.all_reduce_sum, self.world, self.ep = all_reduce_sum, world_size, ep_size
         self.step_count = 0       # applied optimizer steps: what every schedule counts
         self.skipped = 0          # lifetime skipped (non-finite) steps
+        self.last_stats: Dict[str, float] = {}   # the latest step's figures (the learner logs them)
         self._bases: Dict[str, torch.Tensor] = {}
 
     # optimizer --------------------------------------------------------------------------------------
@@ -325,9 +326,14 @@ class StabilityToolkit:
         return lrs
 
     # gradients --------------------------------------------------------------------------------------
-    def process(self, base_lr: float, optimizer: torch.optim.Optimizer) -> Tuple[bool, Dict[str, float]]:
-        """Run the pipeline on the parameters' .grad in place. Returns (apply the step?, stats).
-        Collective: every learner must call it once per step, in the same order."""
+    def process(self, base_lr: float, optimizer: torch.optim.Optimizer) -> bool:
+        """Run the pipeline on the parameters' .grad in place; True: apply the step. Its figures
+        update `last_stats`. Collective: every learner calls it once per step, in the same order."""
+        apply, stats = self._process(base_lr, optimizer)
+        self.last_stats.update(stats)
+        return apply
+
+    def _process(self, base_lr: float, optimizer: torch.optim.Optimizer) -> Tuple[bool, Dict[str, float]]:
         s = self.s
         grads = [(n, p.grad) for n, p in self.named if p.grad is not None]
         # One collective carries the non-finite flag and every group's squared norm, the latter

@@ -33,6 +33,11 @@ def toolkit(model, **settings):
     return StabilityToolkit(validate_stability(settings), model.named_parameters())
 
 
+def process(tk, lr, opt):
+    """One toolkit step -> (apply?, the step's figures)."""
+    return tk.process(lr, opt), tk.last_stats
+
+
 def backward(model, scale=1.0):
     model.zero_grad(set_to_none=True)
     (scale * model.loss(torch.randn(32, 4, generator=torch.Generator().manual_seed(1)))).backward()
@@ -71,7 +76,7 @@ def test_per_group_lrs_reach_the_optimizer_and_advance_only_on_applied_steps():
     lrs = []
     for step in range(3):
         backward(model)
-        ok, stats = tk.process(1e-3, opt)
+        ok, stats = process(tk, 1e-3, opt)
         assert ok
         by_group = {pg["moe_rl_group"]: pg["lr"] for pg in opt.param_groups}
         assert by_group["router"] == 5e-6 and by_group["other"] == 1e-3 and by_group["policy_head"] == 1e-3
@@ -95,7 +100,7 @@ def test_per_group_clipping_respects_each_groups_threshold():
     tk = toolkit(model, grad_clip=0.01)  # small base: every group is over its threshold
     opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
     backward(model, scale=100.0)
-    ok, stats = tk.process(1e-3, opt)
+    ok, stats = process(tk, 1e-3, opt)
     assert ok
     factors = validate_stability({})["grad_clip_factors"]
     for g in tk.groups:
@@ -114,7 +119,7 @@ def test_groups_under_their_threshold_are_left_alone():
     opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
     backward(model)
     before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    tk.process(1e-3, opt)
+    process(tk, 1e-3, opt)
     assert all(torch.equal(before[n], p.grad) for n, p in model.named_parameters() if n in before)
 
 
@@ -123,13 +128,13 @@ def test_a_non_finite_gradient_skips_the_step_and_keeps_weights_optimizer_and_sc
     tk = toolkit(model, lr_schedules={"experts": {"schedule": "cosine", "lr": 1e-2, "t_max": 10}})
     opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
     backward(model)
-    assert tk.process(1e-3, opt)[0]
+    assert process(tk, 1e-3, opt)[0]
     opt.step()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     moments = {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}
     backward(model)
     model.trunk["moe"].router.gate.weight.grad[0, 0] = float("nan")
-    ok, stats = tk.process(1e-3, opt)
+    ok, stats = process(tk, 1e-3, opt)
     assert not ok and stats["stability/skipped_steps"] == 1 and tk.step_count == 1
     assert all(p.grad is None for p in model.parameters())   # nothing for an optimizer to apply
     opt.step()  # even a stray step is a no-op: every .grad is None
@@ -145,13 +150,13 @@ def test_router_only_warmup_leaves_every_other_parameter_unchanged():
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     for _ in range(3):
         backward(model)
-        ok, stats = tk.process(1e-2, opt)
+        ok, stats = process(tk, 1e-2, opt)
         assert ok and stats["stability/router_warmup"] == 1.0
         opt.step()
     for n, p in model.named_parameters():
         assert torch.equal(start[n], p) == (".router." not in n), n
     backward(model)
-    assert tk.process(1e-2, opt)[1]["stability/router_warmup"] == 0.0
+    assert process(tk, 1e-2, opt)[1]["stability/router_warmup"] == 0.0
     opt.step()
     assert not torch.equal(start["pi.weight"], model.pi.weight)
 
@@ -188,7 +193,7 @@ def test_projection_in_the_toolkit_keeps_expert_gradients_in_their_subspace():
     tk = toolkit(model, projection_rank=2, projection_groups=["experts"])
     opt = tk.make_optimizer(tk.param_groups(1e-3), 1e-3)
     backward(model)
-    tk.process(1e-3, opt)
+    process(tk, 1e-3, opt)
     name = "trunk.moe.experts.experts.0.fc1.weight"
     g = dict(model.named_parameters())[name].grad
     assert torch.linalg.matrix_rank(g) <= 2 and name in tk.get_state()["bases"]

@@ -23,7 +23,7 @@ def step_on_every_learner(learner, data, poison_rank=None):
     named = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     learner.apply_gradients(grads)
     tk = learner._stability[MID]
-    norms = {k: learner.metrics.peek((MID, k)) for k in ("stability/grad_norm/experts", "stability/grad_norm/total")}
+    norms = {k: tk.last_stats[k] for k in ("stability/grad_norm/experts", "stability/grad_norm/total")}
     return {"skipped": tk.skipped, "steps": tk.step_count, "norms": norms, "grads": named,
             "ep_rank": learner.ep_rank}
 
