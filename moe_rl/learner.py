@@ -13,7 +13,6 @@ from .rl_module import MOE_ROUTING
 from .stability import StabilityToolkit, expert_dropout_at, set_expert_dropout, validate_stability
 from .tis import TIS_WEIGHT, TruncatedImportanceSampling
 
-
 STABILITY_STATE = "moe_rl_stability"
 
 
@@ -29,6 +28,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         if cap is not None and self._learner_connector is not None:
             # After PPO's GAE (appended by super().build()): reweights advantages, re-bases the ratio.
             self._learner_connector.append(TruncatedImportanceSampling(cap=cap))
+
     # --- optimizer and the stability toolkit -----------------------------------------------------
     def make_toolkit(self, module_id) -> StabilityToolkit:
         return StabilityToolkit(validate_stability(self.config.stability_settings),
