@@ -1,7 +1,8 @@
 """Stability benchmark: a stress config over many seeds with the stability toolkit off and on.
 
     .venv/bin/python bench/bench_stability.py [--seeds 10] [--iterations 20] [--nan-rate 0.0]
-        [--arms both|on|off] [--on-aux 0.05] [--on-z 0.001] [--json OUT]
+        [--arms both|on|off] [--on-aux 0.05] [--on-z 0.001]
+        [--on-router topk] [--json OUT]
 
 Stress: CartPole-v1, 32 experts top-2, aggressive Adam LR (3e-3), small batches (512 steps,
 minibatch 64, 6 epochs). With --nan-rate r, each optimizer step's gradient
@@ -132,9 +133,10 @@ def main():
     p.add_argument("--on-aux", type=float, default=TOOLKIT_ON_MOE["aux_loss_coef"],
                    help="load-balancing loss weight of the 'on' arm (ablation)")
     p.add_argument("--on-z", type=float, default=TOOLKIT_ON_MOE["z_loss_coef"], help="z-loss weight of the 'on' arm")
+    p.add_argument("--on-router", default="topk", help="router of the 'on' arm (e.g. bias: aux-loss-free balancing)")
     p.add_argument("--json")
     args = p.parse_args()
-    TOOLKIT_ON_MOE.update(aux_loss_coef=args.on_aux, z_loss_coef=args.on_z)
+    TOOLKIT_ON_MOE.update(aux_loss_coef=args.on_aux, z_loss_coef=args.on_z, router=args.on_router)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     runs, t0 = [], time.time()
     try:
