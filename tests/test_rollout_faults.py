@@ -21,9 +21,22 @@ def runner_weights(algo, ids):
     return dict(zip(ids, states))
 
 
+class SlowCartPole(gym.Wrapper):
+    """CartPole at ~1 ms a step: sampling 4000 steps takes seconds, so a kill timed at 0.5 s lands
+    while the actors sample, whatever the machine."""
+
+    def __init__(self, config):
+        super().__init__(gym.make("CartPole-v1"))
+
+    def step(self, action):
+        time.sleep(0.001)
+        return self.env.step(action)
+
+
 @pytest.mark.slow
 def test_killed_rollout_actor_is_survived_counted_and_replaced_with_current_weights(ray_local):
-    config = (MoEPPOConfig().environment("CartPole-v1")
+    tune.register_env("SlowCartPole", SlowCartPole)
+    config = (MoEPPOConfig().environment("SlowCartPole")
               .env_runners(num_env_runners=2, num_envs_per_env_runner=2, sample_timeout_s=120)
               .fault_tolerance(restart_failed_env_runners=True)
               .training(train_batch_size_per_learner=4000, minibatch_size=500, num_epochs=1)
