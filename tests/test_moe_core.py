@@ -25,7 +25,8 @@ def naive_reference(layer: MoELayer, x: torch.Tensor, rec: RoutingRecord) -> tor
 
 
 def test_core_imports_no_ray_or_deepspeed():
-    code = ("import sys, moe_rl.moe, moe_rl.losses, moe_rl.metrics, moe_rl.consistency; "
+    code = ("import sys, moe_rl.moe, moe_rl.losses, moe_rl.metrics, moe_rl.consistency, moe_rl.sharding, "
+            "moe_rl.settings, moe_rl.policy, moe_rl.stability, moe_rl.anomaly, moe_rl.sample_filter; "
             "print(any(m.split('.')[0] in ('ray', 'deepspeed') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
