@@ -273,9 +273,7 @@ class MoEPPO(PPO):
             env_runner_group.foreach_env_runner(lambda r: r.set_state(ray.get(ref)), remote_worker_ids=restored,
                                                 local_env_runner=False)
         elif hasattr(self.learner_group, "publish_weights"):
-            refs, seq_no = self.learner_group.publish_weights(), self.learner_group.weights_seq_no
-            env_runner_group.foreach_env_runner(lambda r: load_shards_into_runner(r, refs, seq_no),
-                                                remote_worker_ids=restored, local_env_runner=False)
+            self._push_learner_shards(remote_worker_ids=restored, local_env_runner=False)
         return restored
 
     def _update(self, episodes):
@@ -309,10 +307,13 @@ class MoEPPO(PPO):
                 self.env_runner_group.sync_weights(from_worker_or_learner_group=self.learner_group,
                                                    policies=modules, inference_only=True)
                 return
-            refs, seq_no = self.learner_group.publish_weights(), self.learner_group.weights_seq_no
-            self.env_runner_group.foreach_env_runner(
-                lambda runner: load_shards_into_runner(runner, refs, seq_no),
-                local_env_runner=self.config.num_env_runners == 0)  # 0: the local runner samples
+            self._push_learner_shards(local_env_runner=self.config.num_env_runners == 0)  # 0: it samples
+
+    def _push_learner_shards(self, **foreach_kwargs) -> None:
+        """Every learner publishes its shard once; the chosen rollout actors assemble and load them."""
+        refs, seq_no = self.learner_group.publish_weights(), self.learner_group.weights_seq_no
+        self.env_runner_group.foreach_env_runner(lambda runner: load_shards_into_runner(runner, refs, seq_no),
+                                                 **foreach_kwargs)
 
 
 def load_shards_into_runner(runner, shard_refs, weights_seq_no: int) -> None:

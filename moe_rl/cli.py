@@ -54,9 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(msg: str) -> int:
-    print(f"moe-rl: error: {msg}", file=sys.stderr)
-    return 2
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"moe-rl: error: {msg}", file=sys.stderr, flush=True)
+    return code
 
 
 def _flag_overrides(args) -> List[str]:
@@ -165,9 +165,7 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
             except (OSError, RuntimeError, ValueError, KeyError, ray.exceptions.RayError) as e:
                 # e.g. a learner state file that is not plain data (refused by the weights-only load)
                 lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-                print(f"moe-rl: error: --resume: cannot restore {resume_from}: {lines[-1].strip()}",
-                      file=sys.stderr, flush=True)
-                return 1
+                return _fail(f"--resume: cannot restore {resume_from}: {lines[-1].strip()}", 1)
             _continue_run(algo, run, resume_from)
             print(f"moe-rl: resumed from {resume_from} (iteration {algo.iteration})", flush=True)
         restarts = int((run.rows[-1].get("faults/learner_restarts") or 0) if run.rows else 0)
@@ -208,11 +206,9 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
             if done:
                 break
     except ck.CheckpointWriteError as e:
-        print(f"moe-rl: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _fail(str(e))
     except ck.LearnerFailure as e:
-        print(f"moe-rl: error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return _fail(str(e), 1)
     finally:
         run.close()
         if wandb is not None:
