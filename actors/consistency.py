@@ -1,136 +1,135 @@
-"""ConsistencyActor: training-inference drift before each weight sync, the sync gate, the ledger.
+"""ConsistencyActor: one check per weight sync, the gate's decision, one ledger row per module.
 
-Per check it receives (as numpy or object refs, never the driver's copies of full models):
-  - the rollout's recorded log-probs / top-k and the trainer's view of the same steps (before the
-    update, same weights as the rollouts used);
-  - the learners' shards before the update and the rollout copy's weights (parameter divergence),
-    every learner's full local state (replica divergence);
-  - the candidate (post-update) shards and the trainer's view of the fixed probe set.
-It returns the decision (sync | warn | hold | rollback) with its reason, and appends one row to
-the Parquet ledger (RUN_DIR/drift.parquet).
+It holds what must outlive a check: the fixed probe set and the last good weights' view of it,
+the gate's counters and the run's own history of update-sized signals (moe_rl.core.gate). Every
+input is small: rollout samples and the learners' views of them (O(sample_size)), and figures the
+learners and rollout actors computed where the weights live (update-size terms, finiteness,
+digest comparisons). No model ever comes here.
 """
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 
-from moe_rl.consistency import (breaches, drift_by_position, drift_metrics, format_breach, gate_decision,
-                                param_divergence, policy_kl, routing_agreement, thresholds, update_size)
-from moe_rl.metrics import flip_rate
-from moe_rl.sharding import assemble_all
-
-BF16_RTOL = 2.0 ** -8  # a bf16 copy rounds every weight by up to half an ulp (8 mantissa bits)
+from moe_rl.core.drift import drift_by_position, drift_metrics, policy_kl, routing_agreement
+from moe_rl.core.gate import GateState, breaches, mismatch_limits
+from moe_rl.core.metrics import topk_sets_equal
+from moe_rl.core.routing import decode_top_k
 
 
-def _layers(topk: np.ndarray) -> List[torch.Tensor]:
+def _layers(topk) -> List[torch.Tensor]:
     t = torch.as_tensor(np.asarray(topk, dtype=np.int64))
     return [t[:, i] for i in range(t.shape[1])]
 
 
+def probe_flip_rate(old: Dict[str, np.ndarray], new: Dict[str, np.ndarray], margin: float) -> float:
+    """Share of probe tokens (mean over layers) whose greedy top-k set changed *and* whose old
+    top-k margin exceeded `margin`: a near-uniform router flips at tiny logit changes, which is
+    not routing oscillation."""
+    rates = []
+    old_margin = np.asarray(old["margin"])
+    for i, (a, b) in enumerate(zip(_layers(old["topk"]), _layers(new["topk"]))):
+        changed = ~topk_sets_equal(decode_top_k(a)[0], decode_top_k(b)[0]).numpy()
+        rates.append(float(np.mean(changed & (old_margin[:, i] > margin))) if len(changed) else 0.0)
+    return float(np.mean(rates)) if rates else 0.0
+
+
 class ConsistencyActor:
-    def __init__(self, settings: Dict[str, Any], inference_dtype: str = "fp32", discrete: bool = True):
+    def __init__(self, settings: Dict[str, Any], discrete: Dict[str, bool]):
         self.s = settings
-        self.limits = thresholds(settings.get("thresholds"))
-        self.param_rtol = BF16_RTOL if inference_dtype == "bf16" else 0.0
         self.discrete = discrete
-        self.rows: List[Dict[str, Any]] = []
-        self.probe_obs = None
-        self.probe_view = None        # trainer view of the probe set for the weights the rollouts run
-        self.synced_state = None      # full state of the weights the rollouts run
+        self.limits = mismatch_limits(settings["thresholds"])
+        self.state = GateState(settings)
+        self.probe_obs: Optional[Dict[str, Any]] = None
+        self.probe_view: Optional[Dict[str, Dict[str, np.ndarray]]] = None   # of the last good weights
         self.sync_id = 0
 
     # --- probe set --------------------------------------------------------------------------------
     def has_probe(self) -> bool:
         return self.probe_obs is not None
 
-    def set_probe(self, obs, view: Dict[str, np.ndarray], synced_shards: list) -> None:
-        import ray
+    def set_probe(self, obs: Dict[str, Any], view: Dict[str, Dict[str, np.ndarray]]) -> None:
         self.probe_obs, self.probe_view = obs, view
-        self.synced_state = assemble_all(ray.get(list(synced_shards)))
 
-    def get_probe(self):
+    def get_probe(self) -> Optional[Dict[str, Any]]:
         return self.probe_obs
 
     # --- one check --------------------------------------------------------------------------------
-    def check(self, *, iteration: int, weights_seq_no: int, rollout: Dict[str, np.ndarray],
-              trainer: Dict[str, np.ndarray], learner_shards: list, rollout_state: list,
-              replica_shards: Optional[list], candidate_shards: list, probe_view: Dict[str, np.ndarray]):
-        import ray
-        t0 = time.perf_counter()
-        row: Dict[str, Any] = {"iteration": iteration, "sync_id": self.sync_id, "weights_seq_no": weights_seq_no}
-        # 1. log-prob drift on the batch just sampled.
-        row.update({k: v for k, v in drift_metrics(torch.as_tensor(trainer["logp"]),
-                                                   torch.as_tensor(rollout["logp"])).items() if k != "n"})
+    def _drift(self, mid: str, rollout: Dict[str, Any], trainer: Dict[str, Any], row: Dict[str, Any]) -> None:
+        t, r = torch.as_tensor(trainer["logp"]), torch.as_tensor(rollout["logp"])
+        row.update({k: v for k, v in drift_metrics(t, r).items() if k != "n"})
         if rollout.get("positions") is not None:
-            by_pos = drift_by_position(torch.as_tensor(trainer["logp"]), torch.as_tensor(rollout["logp"]),
-                                       torch.as_tensor(rollout["positions"]), self.s["position_bins"])
+            by_pos = drift_by_position(t, r, torch.as_tensor(rollout["positions"]), self.s["position_bins"])
             row["k3_by_position"] = json.dumps({b: m["k3"] for b, m in by_pos.items()})
-        # 2. routing agreement per layer.
         row.update(routing_agreement(_layers(trainer["topk"]), _layers(rollout["topk"])))
-        # 3. parameter divergence: learner (before the update) vs the rollout copy, and replicas.
-        learner_state = assemble_all(ray.get(list(learner_shards)))
-        rollout_weights = ray.get(rollout_state[0])
-        worst, over, mismatched = param_divergence(learner_state, rollout_weights, self.limits["param_max_diff"][1],
-                                                   self.param_rtol)
-        row["param_max_diff"] = worst
-        row["param_breaches"] = len(over) + len(mismatched)
-        lines = [format_breach(n, d, t) for n, (d, t) in sorted(over.items())]
-        lines += [f"{n}: present on one side only" for n in mismatched]
-        row["param_breach_lines"] = "\n".join(lines)
-        row["replica_max_diff"] = self._replica_divergence(ray.get(list(replica_shards))) if replica_shards else 0.0
-        # 4. the candidate weights.
-        candidate = assemble_all(ray.get(list(candidate_shards)))
-        finite = all(np.isfinite(v).all() for v in candidate.values())
-        row["weights_finite"] = bool(finite)
-        if self.synced_state is not None:
-            row.update(update_size(self.synced_state, candidate))
-        if self.probe_view is not None:
-            row["k3_old_new"] = policy_kl(torch.as_tensor(self.probe_view["logits"]),
-                                          torch.as_tensor(probe_view["logits"]), self.discrete)
-            row["probe_flip_rate"] = float(np.mean([flip_rate(a, b) for a, b in zip(
-                _layers(self.probe_view["topk"]), _layers(probe_view["topk"]))]))
-        found = breaches(row, self.limits)
-        if over or mismatched:
-            found = [b for b in found if b[0] != "param_max_diff"] + [("param_max_diff", worst, self.limits[
-                "param_max_diff"][1])]
-        decision, reason = gate_decision(self.s["policy"], found, finite)
-        if lines:
-            reason = (reason + "\n" if reason else "") + "\n".join(lines[:20])
-        row["decision"], row["reason"] = decision, reason
-        if decision in ("sync", "warn"):
-            self.synced_state, self.probe_view = candidate, probe_view
+
+    def check(self, *, iteration: int, version: int, lag: int, rollout: Dict[str, Dict[str, Any]],
+              trainer: Dict[str, Dict[str, Any]], stats: Dict[str, Any], candidate_view: Dict[str, Dict[str, Any]],
+              corrupt: List[str], replicas: List[str], repairs: int = 0) -> Dict[str, Any]:
+        """rollout / trainer: per module, the rollout's recorded steps and the learners' view of
+        them (same weights when lag == 0; else the lagged learners'). stats: the learners'
+        weight_stats against the last synced weights. corrupt / replicas: breach lines found by
+        digest comparisons (rollout copies vs synced weights; learners holding the same tensor)."""
+        t0 = time.perf_counter()
+        rows: Dict[str, Dict[str, Any]] = {}
+        mismatch, signals = [], {}
+        for mid in sorted(set(trainer) | set(candidate_view)):
+            row = rows[mid] = {"iteration": iteration, "module_id": mid, "sync_id": self.sync_id,
+                               "weights_version": version, "lag_versions": lag}
+            if mid in trainer and mid in rollout and len(rollout[mid]["logp"]):
+                if lag == 0:     # same weights: training-inference mismatch
+                    self._drift(mid, rollout[mid], trainer[mid], row)
+                    if not corrupt:  # a corrupt copy sampled this batch: its drift is that cause's
+                        mismatch += [(f"{mid}/{k}" if len(trainer) > 1 else k, v, thr)
+                                     for k, v, thr in breaches(row, self.limits)]
+                else:            # the learners are ahead: policy lag, never mismatch
+                    row["lag_k3"] = drift_metrics(torch.as_tensor(trainer[mid]["logp"]),
+                                                  torch.as_tensor(rollout[mid]["logp"]))["k3"]
+            for group, (sq_diff, sq_ref) in sorted(stats["terms"].get(mid, {}).items()):
+                row[f"update_size/{group}"] = math.sqrt(sq_diff) / max(math.sqrt(sq_ref), 1e-12)
+            old = (self.probe_view or {}).get(mid)
+            new = candidate_view.get(mid)
+            if old is not None and new is not None:
+                row["k3_old_new"] = policy_kl(torch.as_tensor(old["logits"]), torch.as_tensor(new["logits"]),
+                                              self.discrete.get(mid, True))
+                row["probe_flip_rate"] = probe_flip_rate(old, new, self.s["flip_margin"])
+            for k, v in row.items():
+                if self.state.signal(k):
+                    signals[f"{mid}|{k}"] = v
+            row["weights_finite"] = bool(stats["finite"])
+        bad = [(k.split("|", 1)[1] if len(rows) == 1 else k.replace("|", "/"), v, t)
+               for k, v, t in self.state.update_breaches(signals, lag)]
+        verdict = self.state.decide(finite=bool(stats["finite"]), bad_update=bad, mismatch=mismatch,
+                                    corrupt=corrupt, replicas=replicas)
+        if verdict.decision in ("sync", "warn"):
+            self.state.accept(signals, lag)
+            self.probe_view = candidate_view
             self.sync_id += 1
-        row["check_time_s"] = time.perf_counter() - t0
-        self.rows.append(row)
-        self._write_ledger()
-        return {"decision": decision, "reason": reason, "row": row}
+        elapsed = time.perf_counter() - t0
+        out_rows = []
+        for mid, row in rows.items():
+            row.update({"decision": verdict.decision, "cause": ";".join(verdict.causes),
+                        "action": ";".join(verdict.actions), "reason": verdict.reason,
+                        "param_breach_lines": "\n".join(corrupt + replicas),
+                        "holds_in_a_row": self.state.holds_in_a_row,
+                        "rollbacks_in_a_row": self.state.rollbacks_in_a_row, "repairs": repairs,
+                        "lr_scale_next": verdict.lr_scale, "check_time_s": elapsed})
+            out_rows.append(row)
+        return {"verdict": asdict(verdict), "rows": out_rows}
 
-    def _replica_divergence(self, replicas: List[Dict[str, np.ndarray]]) -> float:
-        """Non-expert tensors identical on every learner; each expert identical across the learners
-        that hold it (its expert-data-parallel replicas)."""
-        worst, seen = 0.0, {}
-        for shard in replicas:
-            for k, v in shard.items():
-                if k in seen:
-                    worst = max(worst, float(np.abs(seen[k].astype(np.float64) - v).max()) if v.size else 0.0)
-                else:
-                    seen[k] = v
-        return worst
+    # --- state (checkpointed with the run) ---------------------------------------------------------
+    def get_state(self) -> Dict[str, Any]:
+        return {"gate": self.state.get_state(), "sync_id": self.sync_id, "probe_obs": self.probe_obs,
+                "probe_view": self.probe_view}
 
-    def _write_ledger(self) -> None:
-        path = self.s.get("ledger_path")
-        if path:
-            from moe_rl.run_dir import write_table
-            write_table(path, self.rows)
-
-    def ledger(self) -> List[Dict[str, Any]]:
-        return self.rows
-
-    def continue_ledger(self, rows: List[Dict[str, Any]]) -> None:
-        """A resumed run: the checkpointed ledger rows come first, sync ids continue after them."""
-        self.rows[:0] = rows
-        self.sync_id = max([int(r.get("sync_id") or 0) + 1 for r in rows] + [self.sync_id])
+    def set_state(self, state: Dict[str, Any]) -> None:
+        self.state.set_state(state.get("gate", {}))
+        self.sync_id = int(state.get("sync_id", self.sync_id))
+        if state.get("probe_obs") is not None:
+            self.probe_obs, self.probe_view = state["probe_obs"], state["probe_view"]

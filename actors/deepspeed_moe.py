@@ -14,7 +14,6 @@ consistency checks can measure them one at a time):
 from __future__ import annotations
 
 import copy
-import math
 from typing import Optional
 
 import torch
@@ -22,8 +21,9 @@ import torch.distributed as dist
 from deepspeed.moe.layer import MoE
 from torch import nn
 
-from moe_rl.losses import load_balancing_loss
-from moe_rl.moe import MoELayer, Router, queue_positions
+from moe_rl.core.layer import MoELayer
+from moe_rl.core.routers import Router
+from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, gate_weights, queue_positions
 
 
 class RoutedGate(nn.Module):
@@ -31,7 +31,10 @@ class RoutedGate(nn.Module):
 
     forward(x [S, d], used_token, sparse_routes, use_tutel) ->
         (l_aux, capacity, E, indices [k, S] int32 (-1 = dropped), locations [k, S], gates [k, S], counts [E])
-    The RoutingRecord of the call is kept in `last_record` for losses, metrics and drift checks.
+    The RoutingRecord of the call is kept in `last_record` for losses, metrics and drift checks;
+    moe-rl's learner computes the balance loss from it (l_aux returned to DeepSpeed is unused, 0).
+    A replay (`replay`, an encoded top-k) dispatches the rollout's experts and drops the rollout's
+    capacity-dropped assignments; a trainer capacity (`capacity_factor`) drops on top of that.
     """
 
     def __init__(self, router: Router, num_experts: int, *, capacity_factor: Optional[float] = None,
@@ -62,13 +65,12 @@ class RoutedGate(nn.Module):
             noisy = noisy.scatter(1, rec.top_k_indices[:, :1], float("-inf"))
             rest = noisy.topk(rec.top_k_indices.shape[1] - 1, dim=-1).indices
             rec.top_k_indices = torch.cat([rec.top_k_indices[:, :1], rest], 1)
-        chosen = rec.router_logits.gather(1, rec.top_k_indices)
-        rec.gate_weights = chosen.softmax(-1) if self.router.normalize_gates else \
-            (chosen - rec.router_logits.logsumexp(-1, keepdim=True)).exp()
+        rec.gate_weights = gate_weights(rec.router_logits, rec.top_k_indices, self.router.normalize_gates)
 
     def forward(self, x, used_token=None, sparse_routes=True, use_tutel=False):
-        rec = self.router(x, replay_indices=self.replay, task_ids=self.task_ids)
-        if self.second_expert_sampling and self.training and self.replay is None and rec.top_k_indices.shape[1] > 1:
+        replay, replay_dropped = (None, None) if self.replay is None else decode_top_k(self.replay)
+        rec = self.router(x, replay_indices=replay, task_ids=self.task_ids)
+        if self.second_expert_sampling and self.training and replay is None and rec.top_k_indices.shape[1] > 1:
             self._sample_second_expert(rec)
         idx, gates = rec.top_k_indices, rec.gate_weights
         S, k = idx.shape
@@ -77,20 +79,20 @@ class RoutedGate(nn.Module):
             order = torch.randperm(S, device=x.device)  # who gets a capacity slot first
         locations = queue_positions(idx, self.num_experts, order).t()          # [k, S]
         counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+        keep = torch.ones_like(locations, dtype=torch.bool) if replay_dropped is None else ~replay_dropped.t()
         if self.capacity_factor is None:   # dropless: the largest expert load in the group
-            capacity = self._agree(counts.max().clone())
-            keep = torch.ones_like(locations, dtype=torch.bool)
+            cap = self._agree(counts.max().clone())
         else:
-            capacity = self._agree(torch.tensor(math.ceil(self.capacity_factor * S * k / self.num_experts)))
-            keep = locations < capacity
+            cap = self._agree(torch.tensor(capacity(self.capacity_factor, S, k, self.num_experts)))
+            keep = keep & (locations < cap)
+        if self.capacity_factor is not None or replay_dropped is not None:
             rec.dropped = ~keep.t()
         weights = gates * keep.t()
-        if self.training and self.expert_dropout > 0:
-            weights = weights * (torch.rand_like(weights) >= self.expert_dropout) / (1 - self.expert_dropout)
+        if self.training:
+            weights = expert_dropout(weights, self.expert_dropout)
         self.last_record = rec
-        l_aux = load_balancing_loss(rec.router_probs, idx)
         indices = torch.where(keep, idx.t(), torch.full_like(idx.t(), -1))
-        return (l_aux, capacity, self.num_experts, indices.int(), (locations * keep).int(),
+        return (x.new_zeros(()), cap, self.num_experts, indices.int(), (locations * keep).int(),
                 weights.t().float(), counts)
 
 
@@ -119,7 +121,11 @@ class DeepSpeedMoE(nn.Module):
     def gate(self) -> RoutedGate:
         return self.ds.deepspeed_moe.gate
 
-    def forward(self, x, replay_indices=None, task_ids=None):
+    @property
+    def router(self) -> Router:
+        return self.gate.router
+
+    def forward(self, x, replay_indices=None, task_ids=None, explore=False):
         flat = x.reshape(-1, self.d_model)
         gate = self.gate
         gate.replay, gate.task_ids = replay_indices, task_ids

@@ -17,9 +17,11 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from moe_rl.anomaly import rss_mb
-from moe_rl.learner import MoEPPOTorchLearner
-from moe_rl.sharding import is_expert_param, to_global_name, to_local_name
+import numpy as np
+
+from moe_rl.core.anomaly import rss_mb
+from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
+from moe_rl.rllib.learner import MoEPPOTorchLearner
 
 
 def deepspeed_config(user: Dict[str, Any], minibatch_size: int, world_size: int) -> Dict[str, Any]:
@@ -56,11 +58,19 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
     def make_toolkit(self, module_id):
         """Per-group norms are global: replicated tensors once, expert shards summed over the
         expert-parallel ranks; every learner gets the same numbers and the same skip decision."""
-        from moe_rl.stability import StabilityToolkit, validate_stability
+        from moe_rl.core.stability import StabilityToolkit, validate_stability
         return StabilityToolkit(validate_stability(self.config.stability_settings),
                                 self._module[module_id].named_parameters(), is_expert=is_expert_param,
                                 all_reduce_sum=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM) or t,
                                 world_size=dist.get_world_size(), ep_size=self.ep_size)
+
+    def router_stats_all_reduce(self):
+        """Routers are replicated on every learner: their balancing statistics are summed over
+        all of them so every replica takes the same bias step."""
+        def all_reduce(t):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            return t
+        return all_reduce
 
     def optimizer_param_groups(self, toolkit, base_lr):
         """The stability groups, each split by DeepSpeed into expert / non-expert groups (expert
@@ -110,45 +120,44 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
                 self.after_step(module_id)
 
     # --- expert-parallel views of the module ------------------------------------------------------
-    def module_shard(self, module_id: str = "default_policy", inference_only: bool = True,
-                     include_dense: Optional[bool] = None, everything: bool = False) -> Dict[str, Any]:
-        """This learner's part of the full state, under global (rollout-copy) names, as numpy.
-        Experts: only the first replica of each expert-parallel rank publishes. Dense tensors:
-        only global rank 0 (they are identical everywhere). everything=True: all it holds (for
-        the replica-divergence check)."""
+    def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, Any]]:
+        """This learner's part of the published weights, per module, under global (rollout-copy)
+        names, as numpy. Experts: only the first replica of each expert-parallel rank publishes
+        (ranks 0..ep-1). Dense tensors: only global rank 0 (they are identical everywhere).
+        everything=True: all it holds (the replica check compares those)."""
         rank = dist.get_rank()
-        if include_dense is None:
-            include_dense = rank == 0 or everything
-        publishes_experts = rank < self.ep_size or everything
-        module = self._module[module_id]
-        skip = tuple(module.get_non_inference_attributes()) if inference_only else ()
         out = {}
-        for name, tensor in module.state_dict().items():
-            if skip and name.split(".")[0] in skip:
-                continue
-            expert = is_expert_param(name)
-            if (expert and publishes_experts) or (not expert and include_dense):
-                out[to_global_name(name, self.ep_rank, self.num_local)] = tensor.detach().cpu().numpy().copy()
+        for mid in self.module.keys():
+            part = {}
+            for name, tensor in self.local_state(mid, inference_only).items():
+                expert = is_expert_param(name)
+                if everything or (rank < self.ep_size if expert else rank == 0):
+                    part[to_global_name(name, self.ep_rank, self.num_local)] = tensor.detach().cpu().numpy()
+            out[mid] = part
         return out
 
-    def load_global_state(self, state: Dict[str, Any], module_id: str = "default_policy") -> None:
-        """Load a full (global-name) state: every rank keeps its own experts. Strict both ways."""
-        module = self._module[module_id]
-        own = module.state_dict()
-        mapped = {}
-        for name, value in state.items():
-            local = to_local_name(name, self.ep_rank, self.num_local)
-            if local is not None:
-                mapped[local] = torch.as_tensor(value)
-        missing, unexpected = sorted(set(own) - set(mapped)), sorted(set(mapped) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"state does not match the learner module: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}")
-        module.load_state_dict(mapped, strict=True)
+    def load_shards(self, shards, inference_only: bool = True) -> None:
+        """Load published shards (global names): every rank keeps its own experts and the dense
+        tensors. Strict both ways: the mapped keys must be exactly this rank's module keys."""
+        full = assemble_modules(shards)
+        for mid in self.module.keys():
+            own = self.local_state(mid, inference_only)
+            mapped = {}
+            for name, value in full.get(mid, {}).items():
+                local = to_local_name(name, self.ep_rank, self.num_local)
+                if local is not None:
+                    mapped[local] = value
+            missing, unexpected = sorted(set(own) - set(mapped)), sorted(set(mapped) - set(own))
+            if missing or unexpected:
+                raise ValueError(f"module {mid!r}: shards do not match this learner: missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]}")
+            with torch.no_grad():
+                for k, v in mapped.items():
+                    own[k].copy_(torch.as_tensor(np.asarray(v)))
 
-    def expert_param_bytes(self, module_id: str = "default_policy") -> int:
-        return sum(p.numel() * p.element_size() for n, p in self._module[module_id].named_parameters()
-                   if is_expert_param(n))
+    def expert_param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for mid in self.module.keys()
+                   for n, p in self.plain_module(mid).named_parameters() if is_expert_param(n))
 
 
 def free_port() -> int:
@@ -185,12 +194,6 @@ class LearnerActor:
     def update(self, **kwargs):
         return self.learner.update(**kwargs)
 
-    def module_shard(self, inference_only: bool = True, everything: bool = False):
-        return self.learner.module_shard(inference_only=inference_only, everything=everything)
-
-    def load_global_state(self, state) -> None:
-        self.learner.load_global_state(state)
-
     def apply(self, fn, *args, **kwargs):
         """Run fn(learner, *args) here (RLlib's foreach_learner contract)."""
         return fn(self.learner, *args, **kwargs)
@@ -201,34 +204,31 @@ class LearnerActor:
                 "rss_mb": rss_mb()}
 
     def save(self, path: str) -> None:
-        """DeepSpeed checkpoint of this rank (collective: every rank calls it) + RLlib learner
-        state that DeepSpeed does not hold (counters, metrics, stability toolkit, PPO's adaptive KL
-        coefficients, this process's torch RNG), as plain data (see save_learner_state)."""
-        engine = self.learner._engines["default_policy"]
-        engine.save_checkpoint(path, tag="moe_rl", save_latest=False)
+        """DeepSpeed checkpoint of this rank per module (collective: every rank calls it) + the
+        RLlib learner state DeepSpeed does not hold (counters, metrics, stability toolkit, PPO's
+        KL coefficients, this process's torch RNG), as plain data (see save_learner_state)."""
+        for mid, engine in self.learner._engines.items():
+            engine.save_checkpoint(path, tag=f"moe_rl-{mid}", save_latest=False)
         extra = self.learner.get_state(not_components=["rl_module"])
         extra.pop("optimizer", None)
         if callable(extra.get("should_module_be_updated")):  # from the config; rebuilt with it
             extra.pop("should_module_be_updated")
-        extra[KL_COEFFS] = {mid: v.detach().cpu().clone()
-                            for mid, v in getattr(self.learner, "curr_kl_coeffs_per_module", {}).items()}
         extra[TORCH_RNG] = torch.get_rng_state()
         save_learner_state(extra, os.path.join(path, f"learner_rank_{self.rank}.pt"))
 
     def restore(self, path: str) -> None:
-        engine = self.learner._engines["default_policy"]
-        engine.load_checkpoint(path, tag="moe_rl", load_optimizer_states=True, load_lr_scheduler_states=True)
+        for mid, engine in self.learner._engines.items():
+            engine.load_checkpoint(path, tag=f"moe_rl-{mid}", load_optimizer_states=True,
+                                   load_lr_scheduler_states=True)
         extra = load_learner_state(os.path.join(path, f"learner_rank_{self.rank}.pt"))
-        kl_coeffs, rng = extra.pop(KL_COEFFS, {}), extra.pop(TORCH_RNG, None)
+        rng = extra.pop(TORCH_RNG, None)
         self.learner.set_state(extra)
-        for mid, v in kl_coeffs.items():
-            self.learner.curr_kl_coeffs_per_module[mid].data.copy_(v)
         if rng is not None:
             torch.set_rng_state(rng)
 
 
 # --- learner_rank_{r}.pt: plain data only, loaded without unpickling code --------------------------
-KL_COEFFS, TORCH_RNG = "moe_rl_kl_coeffs", "moe_rl_torch_rng"
+TORCH_RNG = "moe_rl_torch_rng"
 _TUPLE, _NDARRAY = "__moe_rl_tuple__", "__moe_rl_ndarray__"
 
 

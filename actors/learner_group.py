@@ -1,36 +1,39 @@
-"""DeepSpeedLearnerGroup: N LearnerActors (one DeepSpeed engine each) in a Ray placement group.
+"""DeepSpeedLearnerGroup: N LearnerActors (one DeepSpeed engine per module each) in a Ray
+placement group, offering MoEPPO the learner-group interface of moe_rl.rllib.learner_group.
 
-It offers MoEPPO what RLlib's LearnerGroup offers (update, get_state/set_state, foreach_learner,
-save_to_path/restore_from_path), plus what expert parallelism needs:
-  - publish_weights(): each learner puts its own shard in the object store; nobody materialises
-    the full model for a sync — the rollout side assembles the shards.
-  - memory_stats(): expert-parameter bytes and peak RSS per learner.
-The placement group requests each learner's resources by name (CPU/GPU plus any custom resource,
-e.g. {"moe_learner": 1}), so an autoscaling cluster can add learner nodes for it.
+Every learner publishes its own part of the weights (the dense tensors from rank 0, each expert
+from the first learner that holds it); nobody materialises the full model for a sync — the
+rollout side assembles the parts. The placement group requests each learner's resources by name
+(CPU/GPU plus any custom resource, e.g. {"moe_learner": 1}), so an autoscaling cluster can add
+learner nodes for it.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from typing import Any, Callable, Dict, List, Optional
 
+import numpy as np
 import ray
 import torch
+import tree
 from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_RL_MODULE
 from ray.rllib.core.learner.training_data import TrainingData
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from moe_rl.sharding import assemble_all
+from moe_rl.core.sharding import assemble_modules
+from moe_rl.rllib.learner_group import LearnerGroupOps
 
 from .learner import LearnerActor
 
-DEFAULT_MODULE = "default_policy"
 GROUP_STATE = "group_state.json"
 
 
-class DeepSpeedLearnerGroup(Checkpointable):
+class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
     is_local = False
     is_remote = True
 
@@ -61,7 +64,6 @@ class DeepSpeedLearnerGroup(Checkpointable):
             for i in range(n)]
         addr, port = ray.get(self._workers[0].address.remote())
         ray.get([w.build.remote(config, module_spec, addr, port) for w in self._workers])
-        self.weights_seq_no = 0
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -74,45 +76,52 @@ class DeepSpeedLearnerGroup(Checkpointable):
         data.validate()
         shards = list(data.shard(num_shards=len(self), len_lookback_buffer=self.config.episode_lookback_horizon,
                                  **kwargs))
-        results = ray.get([w.update.remote(training_data=td, timesteps=timesteps, **kw, **kwargs)
-                           for w, (td, kw) in zip(self._workers, shards)])
-        self.weights_seq_no += 1
-        return results
+        return ray.get([w.update.remote(training_data=td, timesteps=timesteps, **kw, **kwargs)
+                        for w, (td, kw) in zip(self._workers, shards)])
 
-    def foreach_learner(self, func: Callable, **kwargs) -> List[Any]:
-        return ray.get([w.apply.remote(func, **kwargs) for w in self._workers])
+    def foreach(self, fn: Callable, **kwargs) -> List[Any]:
+        return ray.get([w.apply.remote(fn, **kwargs) for w in self._workers])
+
+    foreach_learner = foreach   # RLlib's name for it (RLlib's Algorithm calls it)
+    publishers = foreach        # every learner publishes its own part
 
     def memory_stats(self) -> List[Dict[str, float]]:
         return ray.get([w.memory_stats.remote() for w in self._workers])
 
-    # --- weights ----------------------------------------------------------------------------------
-    def publish_weights(self, inference_only: bool = True) -> List[ray.ObjectRef]:
-        """One object ref per learner; each holds that learner's shard under global names."""
-        return [w.module_shard.remote(inference_only) for w in self._workers]
+    def trainer_view(self, data: Dict[str, Dict[str, Any]], replay: bool = False) -> Dict[str, Dict[str, Any]]:
+        """The rollout sample split over the learners (every rank must run the collective
+        forward), the views concatenated back in order."""
+        n = len(self)
+        slices = [{} for _ in range(n)]
+        for mid, d in data.items():
+            size = len(tree.flatten(d["obs"])[0])
+            bounds = np.linspace(0, size, n + 1).astype(int)
+            for i in range(n):
+                slices[i][mid] = tree.map_structure(lambda x: x[bounds[i]:bounds[i + 1]], d)
+        parts = ray.get([w.apply.remote(_view_slice, slices[i], replay) for i, w in enumerate(self._workers)])
+        return {mid: {k: np.concatenate([p[mid][k] for p in parts]) for k in parts[0][mid]} for mid in data}
 
-    def publish_replicas(self, inference_only: bool = True) -> List[ray.ObjectRef]:
-        """Every learner's complete local state (global names), for the replica check."""
-        return [w.module_shard.remote(inference_only, True) for w in self._workers]
+    def snapshot(self) -> str:
+        """The exact learner state (weights + every rank's optimizer moments) in a directory."""
+        path = getattr(self, "_snapshot_dir", None) or tempfile.mkdtemp(prefix="moe_rl_last_good_")
+        self._snapshot_dir = path
+        self.save_to_path(path)
+        return path
 
-    def full_module_state(self, inference_only: bool = True) -> Dict[str, Any]:
-        return assemble_all(ray.get(self.publish_weights(inference_only)))
+    def restore(self, snapshot: str) -> None:
+        self.restore_from_path(snapshot)
 
+    # --- RLlib's state interface ------------------------------------------------------------------
     def get_state(self, components=None, *, not_components=None, inference_only: bool = False, **kwargs):
-        """The full module state assembled from every learner's shard (RLlib's LearnerGroup asks
-        learner 0 alone). Shaped like LearnerGroup.get_state ({"learner": {...}}) when asked for
-        "learner/..." components, else like an EnvRunner's ({"rl_module": ...})."""
-        state = {COMPONENT_RL_MODULE: {DEFAULT_MODULE: self.full_module_state(inference_only)},
-                 "weights_seq_no": self.weights_seq_no}
-        asked = [components] if isinstance(components, str) else list(components or [])
-        if any(c.startswith(COMPONENT_LEARNER) for c in asked):
-            return {COMPONENT_LEARNER: state}
-        return state
+        """The full module states assembled from every learner's part (RLlib's LearnerGroup asks
+        learner 0 alone), shaped like LearnerGroup.get_state."""
+        modules = assemble_modules(ray.get(self.publish_weights(inference_only)))
+        return {COMPONENT_LEARNER: {COMPONENT_RL_MODULE: modules}}
 
     def set_state(self, state: Dict[str, Any]) -> None:
-        module_state = state.get(COMPONENT_LEARNER, state).get(COMPONENT_RL_MODULE, {}).get(DEFAULT_MODULE)
-        if module_state is not None:
-            ref = ray.put(module_state)
-            ray.get([w.load_global_state.remote(ref) for w in self._workers])
+        modules = state.get(COMPONENT_LEARNER, state).get(COMPONENT_RL_MODULE)
+        if modules:
+            self.load_shards([ray.put(modules)])
 
     def get_ctor_args_and_kwargs(self):
         return (), {"config": self.config, "module_spec": None}
@@ -121,18 +130,19 @@ class DeepSpeedLearnerGroup(Checkpointable):
         return []
 
     def save_to_path(self, path=None, *, state=None, filesystem=None, use_msgpack=False) -> str:
-        """Every learner writes its DeepSpeed checkpoint (its expert shard + its own optimizer
-        moments) into `path` (a directory all learners can reach)."""
+        """Every learner writes its DeepSpeed checkpoints (its expert shard + its own optimizer
+        moments) into `path` (a directory all learners can reach), and its published part as
+        module_shard_rank{r}.pt ({module_id: {global name: tensor}}, loadable with
+        torch.load(weights_only=True))."""
         path = str(path)
         os.makedirs(path, exist_ok=True)
         ray.get([w.save.remote(path) for w in self._workers])
         for rank, ref in enumerate(self.publish_weights(inference_only=False)):
-            shard = ray.get(ref)
-            if shard:  # global-name tensors, loadable with torch.load(weights_only=True)
-                torch.save({k: torch.as_tensor(v) for k, v in shard.items()},
-                           os.path.join(path, f"module_shard_rank{rank}.pt"))
+            part = {mid: {k: torch.tensor(v) for k, v in state.items()} for mid, state in ray.get(ref).items()}
+            if any(part.values()):
+                torch.save(part, os.path.join(path, f"module_shard_rank{rank}.pt"))
         with open(os.path.join(path, GROUP_STATE), "w") as f:
-            json.dump({"weights_seq_no": self.weights_seq_no, "num_learners": len(self)}, f)
+            json.dump({"num_learners": len(self)}, f)
         return path
 
     def restore_from_path(self, path, *args, **kwargs) -> None:
@@ -144,9 +154,6 @@ class DeepSpeedLearnerGroup(Checkpointable):
             if state["num_learners"] != len(self):
                 raise ValueError(f"checkpoint {path!r} holds {state['num_learners']} learners' state, "
                                  f"this group has {len(self)}")
-            # Restored weights are a new version for the rollouts (they skip versions not newer
-            # than theirs), also after a rebuild that carried the old counter over.
-            self.weights_seq_no = max(self.weights_seq_no, int(state["weights_seq_no"])) + 1
         ray.get([w.restore.remote(path) for w in self._workers])
 
     # --- failures ---------------------------------------------------------------------------------
@@ -172,16 +179,20 @@ class DeepSpeedLearnerGroup(Checkpointable):
         """A fresh group with the same config: new actors, new process groups (a DeepSpeed/gloo
         process group cannot be repaired in place once a member died). Restore state afterwards."""
         self.shutdown()
-        group = DeepSpeedLearnerGroup(config=self.config, module_spec=self.module_spec)
-        group.weights_seq_no = self.weights_seq_no
-        return group
+        return DeepSpeedLearnerGroup(config=self.config, module_spec=self.module_spec)
 
     def shutdown(self) -> None:
         for w in self._workers:
             ray.kill(w)
         self._workers = []
         remove_placement_group(self._pg)
+        if getattr(self, "_snapshot_dir", None):
+            shutil.rmtree(self._snapshot_dir, ignore_errors=True)
 
 
 def _alive(learner) -> bool:
     return True
+
+
+def _view_slice(learner, data, replay):
+    return learner.trainer_view(data, replay)

@@ -15,7 +15,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray  # noqa: E402
 
-from moe_rl.run_config import load_run_config, validate_run_config  # noqa: E402
+from moe_rl.app.run_config import load_run_config, validate_run_config  # noqa: E402
 
 
 def per_iteration(cfg, checks: bool, learners: int, iterations: int) -> float:

@@ -25,8 +25,8 @@ def timed_steps(learner, obs, actions, steps):
     import torch.distributed as dist
     from ray.rllib.core.columns import Columns
 
-    from moe_rl.losses import moe_aux_losses
-    from moe_rl.rl_module import MOE_ROUTING
+    from moe_rl.core.losses import moe_aux_losses
+    from moe_rl.rllib.rl_module import MOE_ROUTING
     module = learner.module["default_policy"]
     engine = learner._engines["default_policy"]
     moe_layers = [m for m in module.modules() if m.__class__.__name__ == "MOELayer"]

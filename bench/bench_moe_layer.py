@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from moe_rl.moe import MoELayer, dense_ffn_equal_active
+from moe_rl.core.layer import MoELayer, dense_ffn_equal_active
 
 D, FF = 256, 512
 

@@ -22,7 +22,7 @@ from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig  # 
 
 import envs  # noqa: E402,F401
 from moe_rl import MoEPPOConfig  # noqa: E402
-from moe_rl.rl_module import MOE_TOPK  # noqa: E402
+from moe_rl.rllib.rl_module import MOE_TOPK  # noqa: E402
 
 NUM_TASKS, EXPERTS = 4, 8
 TRAINING = dict(lr=1e-3, gamma=0.0, lambda_=1.0, train_batch_size_per_learner=4096, minibatch_size=512,

@@ -34,7 +34,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from moe_rl import MoEPPOConfig  # noqa: E402
-from moe_rl.run_dir import metrics_row  # noqa: E402
+from moe_rl.algo.results import metrics_row  # noqa: E402
 
 EXPERTS, LR, THRESHOLD = 32, 3e-3, 200.0
 # Each arm: (moe settings, stability settings). "on" is everything moe-rl offers against instability:

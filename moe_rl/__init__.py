@@ -1,12 +1,12 @@
 """moe-rl: train Mixture-of-Experts policies stably with RL on Ray.
 
 The core modules (moe, losses, metrics, consistency) are pure torch. Ray-facing names
-(MoEPPOConfig, MoEPPO) load lazily so `import moe_rl.moe` never imports Ray.
+(MoEPPOConfig, MoEPPO) load lazily so `import moe_rl.core.layer` never imports Ray.
 """
 __version__ = "0.1.0"
 
-_LAZY = {"MoEPPOConfig": "moe_rl.algorithm", "MoEPPO": "moe_rl.algorithm",
-         "MoEPolicyModule": "moe_rl.rl_module"}
+_LAZY = {"MoEPPOConfig": "moe_rl.algo.algorithm", "MoEPPO": "moe_rl.algo.algorithm",
+         "MoEPolicyModule": "moe_rl.rllib.rl_module"}
 
 
 def __getattr__(name):

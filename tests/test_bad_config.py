@@ -3,7 +3,7 @@ Ray started (in-process, so the check is that ray.is_initialized() stays False).
 import pytest
 import ray
 
-from moe_rl.cli import main
+from moe_rl.app.cli import main
 
 CASES = [
     # wrong types

@@ -12,7 +12,7 @@ REQUIRED_COLUMNS = ["iteration", "env_steps_total", "time_s", "episode_return_me
 
 
 def moe_rl(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "moe_rl.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "moe_rl.app.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
 
 
@@ -89,7 +89,7 @@ def test_output_may_be_a_pyarrow_filesystem_uri(tmp_path):
     assert sorted(os.listdir(remote / "checkpoints")) == ["iter_000002", "iter_000003"]
     assert (remote / "checkpoints" / "iter_000003" / "manifest.json").is_file()
     assert (remote / "report.html").is_file() and (remote / "config.yaml").is_file()
-    from moe_rl.checkpoint import verify_checkpoint
+    from moe_rl.app.checkpoint import verify_checkpoint
     verify_checkpoint(str(remote / "checkpoints" / "iter_000003"))   # the copy is byte-exact
 
 

@@ -54,7 +54,7 @@ def test_kuberay_cluster_autoscales_with_the_same_node_types():
 
 
 def test_cluster_run_config_is_valid():
-    from moe_rl.run_config import validate_run_config
+    from moe_rl.app.run_config import validate_run_config
     config = validate_run_config(RUN)
     assert config.uses_deepspeed and config.custom_resources_per_learner == {"moe_learner": 1}
 

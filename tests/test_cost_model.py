@@ -37,9 +37,9 @@ def test_memory_at_the_calibration_point_equals_the_measured_expert_bytes():
 
 
 def test_parameter_counts_match_the_real_trunk():
-    from moe_rl.policy import MoEMLPTrunk
-    from moe_rl.settings import MOE_DEFAULTS
-    from moe_rl.sharding import is_expert_param
+    from moe_rl.core.policy import MoEMLPTrunk
+    from moe_rl.core.settings import MOE_DEFAULTS
+    from moe_rl.core.sharding import is_expert_param
     shape = cm.BENCH_LEARNER
     trunk = MoEMLPTrunk(4, dict(MOE_DEFAULTS, num_experts=shape["num_experts"], top_k=shape["top_k"],
                                 num_layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"]))

@@ -7,10 +7,10 @@ import torch.distributed as dist
 from ray.rllib.core.columns import Columns
 
 from moe_rl import MoEPPOConfig
-from moe_rl.losses import moe_aux_losses
-from moe_rl.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
-from moe_rl.settings import ConfigError
-from moe_rl.sharding import ShardError, assemble_shards, to_global_name
+from moe_rl.core.losses import moe_aux_losses
+from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
+from moe_rl.core.settings import ConfigError
+from moe_rl.core.sharding import ShardError, assemble_shards, to_global_name
 
 ENV = gym.make("CartPole-v1")
 RNG = np.random.default_rng(0)
@@ -54,7 +54,7 @@ def learner_step(learner, data):
     named = {to_global_name(n, learner.ep_rank, learner.num_local): p.grad.clone()
              for n, p in module.named_parameters() if p.grad is not None}
     learner.apply_gradients(grads)
-    return named, learner.module_shard(inference_only=False, include_dense=True)
+    return named, learner.shard(inference_only=False, everything=True)["default_policy"]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_gradients_and_update_match_single_process_reference(ray_local, sizes):
 
 
 def _compare_with_reference(config, group, sizes):
-    before = group.full_module_state(inference_only=False)
+    before = group.module_state(inference_only=False)["default_policy"]
     data = {r: batch(n) for r, n in enumerate(sizes)}
     results = group.foreach_learner(learner_step, data=data)
     ref = reference_module(config, before)
@@ -111,7 +111,7 @@ def _compare_with_reference(config, group, sizes):
 
 def test_each_learner_holds_half_of_the_experts(group):
     stats = group.memory_stats()
-    full = sum(v.size * 4 for k, v in group.full_module_state(inference_only=False).items() if "experts.experts" in k)
+    full = sum(v.size * 4 for k, v in group.module_state(inference_only=False)["default_policy"].items() if "experts.experts" in k)
     assert [s["expert_param_bytes"] for s in stats] == [full / 2, full / 2]
     assert all(s["peak_rss_mb"] > 0 for s in stats)
 
@@ -130,7 +130,7 @@ def test_uneven_token_counts_with_token_dropping_do_not_crash(ray_local):
 
 
 def test_shard_assembly_is_strict(group):
-    shards = __import__("ray").get(group.publish_weights())
+    shards = [s["default_policy"] for s in __import__("ray").get(group.publish_weights())]
     expected = set().union(*shards)
     assert set(assemble_shards(shards, expected)) == expected
     with pytest.raises(ShardError, match="missing"):
@@ -143,7 +143,7 @@ def test_wrong_expert_mapping_is_caught(group):
     """Swapping two experts' names gives a complete, well-shaped state — only the outputs betray
     it. The rollout copy built from it disagrees with the learner's own forward."""
     config = ds_config()
-    state = group.full_module_state(inference_only=False)
+    state = group.module_state(inference_only=False)["default_policy"]
     obs = batch(64)[0]
     learner_logits = group.foreach_learner(
         lambda l: l.module["default_policy"].forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS])[0]
@@ -177,6 +177,7 @@ def test_checkpoint_round_trip_is_bit_exact_on_every_rank(group, tmp_path):
     restored_weights = __import__("ray").get(group.publish_weights(inference_only=False))
     restored_moments = adam_moments(group)
     for a, b in zip(saved_weights, restored_weights):
+        a, b = a["default_policy"], b["default_policy"]
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     for rank_a, rank_b in zip(saved_moments, restored_moments):
         assert len(rank_a) == len(rank_b) > 0

@@ -6,9 +6,11 @@ import sys
 import pytest
 import torch
 
-from moe_rl.losses import load_balancing_loss, moe_aux_losses, router_z_loss
-from moe_rl.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
-from moe_rl.moe import DISPATCH_PATHS, MoELayer, RoutingRecord, sinkhorn
+from moe_rl.core.losses import load_balancing_loss, moe_aux_losses, router_z_loss
+from moe_rl.core.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
+from moe_rl.core.layer import DISPATCH_PATHS, MoELayer
+from moe_rl.core.routers import balance_step, plackett_luce_logp
+from moe_rl.core.routing import RoutingRecord, sinkhorn, sinkhorn_potentials
 
 
 def naive_reference(layer: MoELayer, x: torch.Tensor, rec: RoutingRecord) -> torch.Tensor:
@@ -25,8 +27,8 @@ def naive_reference(layer: MoELayer, x: torch.Tensor, rec: RoutingRecord) -> tor
 
 
 def test_core_imports_no_ray_or_deepspeed():
-    code = ("import sys, moe_rl.moe, moe_rl.losses, moe_rl.metrics, moe_rl.consistency, moe_rl.sharding, "
-            "moe_rl.settings, moe_rl.policy, moe_rl.stability, moe_rl.anomaly, moe_rl.sample_filter; "
+    code = ("import sys, moe_rl.core.layer, moe_rl.core.losses, moe_rl.core.metrics, moe_rl.core.drift, moe_rl.core.sharding, "
+            "moe_rl.core.settings, moe_rl.core.policy, moe_rl.core.stability, moe_rl.core.anomaly, moe_rl.core.sample_filter; "
             "print(any(m.split('.')[0] in ('ray', 'deepspeed') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
@@ -62,7 +64,7 @@ def test_z_loss_and_entropy_hand_values():
 
 
 def test_logit_stats_per_expert():
-    from moe_rl.metrics import logit_stats
+    from moe_rl.core.metrics import logit_stats
     s = logit_stats(torch.tensor([[1.0, -1.0], [3.0, -1.0]]))
     assert s["logit_mean"] == [2.0, -1.0] and s["logit_std"] == [1.0, 0.0]
 
@@ -81,18 +83,37 @@ def test_sinkhorn_meets_both_marginals(k):
     plan = sinkhorn(scores, top_k=k, epsilon=0.1, max_iters=500, tol=1e-5)
     assert torch.allclose(plan.sum(1), torch.full((64,), float(k)), atol=1e-3)
     assert torch.allclose(plan.sum(0), torch.full((8,), 64 * k / 8), atol=1e-3)
+    # The iteration cap is reported, not hidden: the residual says how far the rows are off.
+    _, _, residual = sinkhorn_potentials(scores, k, 0.01, max_iters=3)
+    assert residual > 1e-4
 
 
-def test_sinkhorn_router_balances_a_skewed_router():
+def test_sinkhorn_router_learns_a_balancing_bias_and_routes_alike_at_both_ends():
     torch.manual_seed(0)
-    layer = MoELayer(16, 8, 2, router="sinkhorn")
+    layer = MoELayer(16, 8, 2, router="sinkhorn", router_kwargs={"sinkhorn_bias_rate": 0.5})
     layer.router.gate.bias.data[0] = 5.0  # everyone would pick expert 0 under plain top-k
     x = torch.randn(256, 16)
+    _, before = layer(x)
+    assert balance_metrics(expert_counts(before.top_k_indices, 8))["max_util"] >= 0.45
+    for _ in range(40):                    # training forwards, one balancing step after each
+        layer(x)
+        balance_step(layer)
     _, rec = layer(x)
-    layer.eval()
-    _, rec_greedy = layer(x)
     assert balance_metrics(expert_counts(rec.top_k_indices, 8))["cv"] < 0.5
-    assert balance_metrics(expert_counts(rec_greedy.top_k_indices, 8))["max_util"] >= 0.5
+    layer.eval()                           # rollouts: 8 tokens per call, the same choice per token
+    greedy = torch.cat([layer(x[i:i + 8])[1].top_k_indices for i in range(0, 256, 8)])
+    assert torch.equal(greedy, rec.top_k_indices)
+
+
+def test_measuring_never_moves_a_balancing_bias():
+    torch.manual_seed(0)
+    for router in ("bias", "sinkhorn"):
+        layer = MoELayer(8, 4, 2, router=router)
+        layer.router.gate.bias.data[0] = 3.0
+        with torch.no_grad():              # a trainer-side view of rollout data
+            layer(torch.randn(64, 8))
+        balance_step(layer)
+        assert layer.router.selection_bias.abs().sum() == 0, router
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -142,13 +163,82 @@ def test_capacity_factor_drops_overflow_tokens():
     assert torch.all(y[rec.dropped[:, 0]] == 0)
 
 
-def test_bias_router_moves_bias_against_load():
+def test_bias_router_moves_bias_against_load_at_optimizer_steps():
     torch.manual_seed(0)
     layer = MoELayer(8, 4, 1, router="bias", router_kwargs={"bias_update_rate": 0.01})
     layer.router.gate.bias.data[:] = torch.tensor([3.0, 0, 0, 0])
     layer(torch.randn(64, 8))
+    assert layer.router.selection_bias.abs().sum() == 0     # not before the step
+    balance_step(layer)
     b = layer.router.selection_bias
     assert b[0] < 0 and (b[1:] > 0).all()
+
+
+def test_balance_statistics_use_the_routers_own_choice_under_replay():
+    """R3 regression: the rollout's replayed experts drive dispatch and gates, but the load
+    balancing loss and health metrics count what the router itself picks now."""
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, 2)
+    x = torch.randn(64, 8)
+    forced = torch.tensor([[0, 1]]).expand(64, 2)           # a frozen, maximally unbalanced replay
+    y, rec = layer(x, replay_indices=forced)
+    own = layer(x)[1]
+    assert torch.equal(rec.top_k_indices, forced) and torch.equal(rec.router_top_k, own.top_k_indices)
+    assert load_balancing_loss(rec.router_probs, rec.router_top_k).item() == pytest.approx(
+        moe_aux_losses([rec], 1.0, 0.0)[1].item())
+    assert moe_aux_losses([rec], 1.0, 0.0)[1].item() == pytest.approx(moe_aux_losses([own], 1.0, 0.0)[1].item())
+    assert health_summary([rec])["moe/active_experts"] == health_summary([own])["moe/active_experts"] == 4
+
+
+def test_replay_carries_capacity_drops():
+    layer = MoELayer(8, 4, 1, capacity_factor=1.0)
+    layer.router.gate.bias.data[:] = torch.tensor([10.0, 0, 0, 0])
+    x = torch.randn(16, 8)
+    y, rec = layer(x)                      # 12 of 16 dropped at this batch size
+    code = rec.encoded_top_k()
+    assert (code < 0).sum().item() == 12
+    y_replay, rec_replay = layer(torch.cat([x, torch.randn(48, 8)]), replay_indices=torch.cat(
+        [code, torch.zeros(48, 1, dtype=torch.long)]))
+    assert torch.equal(rec_replay.dropped[:16], rec.dropped) and torch.allclose(y_replay[:16], y)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_reinforce_selection_logp_is_the_probability_of_the_draw(k):
+    """Exact probability of an ordered draw without replacement, enumerated for N = 4."""
+    import itertools
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4)
+    p = logits.softmax(-1)[0]
+    total = 0.0
+    for draw in itertools.permutations(range(4), k):
+        prob, left = 1.0, 1.0
+        for e in draw:
+            prob *= p[e].item() / left
+            left -= p[e].item()
+        got = plackett_luce_logp(logits, torch.tensor([draw])).exp().item()
+        assert got == pytest.approx(prob, rel=1e-5)
+        total += got
+    assert total == pytest.approx(1.0, rel=1e-5)
+    # The empirical frequency of multinomial(replacement=False) draws matches it.
+    draws = torch.multinomial(p.expand(20000, 4), k, replacement=False)
+    first = tuple(draws[0].tolist())
+    freq = (draws == torch.tensor(first)).all(-1).double().mean().item()
+    assert freq == pytest.approx(plackett_luce_logp(logits, torch.tensor([first])).exp().item(), abs=0.015)
+
+
+def test_reinforce_router_samples_only_when_exploring():
+    torch.manual_seed(0)
+    layer = MoELayer(8, 8, 2, router="reinforce")
+    x = torch.randn(64, 8)
+    assert torch.equal(layer(x)[1].top_k_indices, layer(x)[1].top_k_indices)        # greedy
+    assert not torch.equal(layer(x, explore=True)[1].top_k_indices, layer(x, explore=True)[1].top_k_indices)
+
+
+@pytest.mark.parametrize("path", [p for p in DISPATCH_PATHS if p != "auto"])
+def test_empty_batch(path):
+    layer = MoELayer(8, 4, 2, dispatch=path, capacity_factor=1.0)
+    y, rec = layer(torch.randn(0, 8))
+    assert y.shape == (0, 8) and rec.top_k_indices.shape == (0, 2)
 
 
 def test_task_router_uses_task_ids():

@@ -1,4 +1,4 @@
-"""moe_rl.prometheus: the column -> metric mapping, the Grafana dashboard's queries, the export cost,
+"""moe_rl.algo.prometheus: the column -> metric mapping, the Grafana dashboard's queries, the export cost,
 and a real Ray head serving the exported metrics on its Prometheus endpoint."""
 import json
 import math
@@ -18,12 +18,12 @@ import urllib.request
 import pytest
 import torch
 
-from moe_rl import prometheus
-from moe_rl.consistency import PARAM_GROUPS
-from moe_rl.metrics import health_summary
-from moe_rl.moe import RoutingRecord
-from moe_rl.prometheus import PrometheusExporter, exported_families, metric_name_and_tags
-from moe_rl.run_dir import LEARNER_KEYS, metrics_row
+from moe_rl.algo import prometheus
+from moe_rl.core.param_groups import PARAM_GROUPS
+from moe_rl.core.metrics import health_summary
+from moe_rl.core.routing import RoutingRecord
+from moe_rl.algo.prometheus import PrometheusExporter, exported_families, metric_name_and_tags
+from moe_rl.algo.results import LEARNER_KEYS, metrics_row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASHBOARD = os.path.join(ROOT, "cluster", "grafana_dashboard.json")
@@ -40,14 +40,14 @@ def realistic_row(num_layers=2, num_experts=4, decision="hold", tokens=64):
         records.append(RoutingRecord(top.indices, top.values.softmax(-1), logits))
     learner = {k: 0.1 * i for i, k in enumerate(LEARNER_KEYS)}
     learner.update(health_summary(records))
-    for grp in PARAM_GROUPS:              # moe_rl.stability: StabilityToolkit stats
+    for grp in PARAM_GROUPS:              # moe_rl.core.stability: StabilityToolkit stats
         learner[f"stability/grad_norm/{grp}"] = 1.0
         learner[f"stability/lr/{grp}"] = 3e-4
         learner[f"stability/clip_coef/{grp}"] = 1.0
     learner.update({"stability/grad_norm/total": 2.0, "stability/skipped_steps": 3.0,
                     "stability/router_warmup": 0.0})
     figures = {f"drift/{k}": 0.01 for k in ("k1", "k3", "max_abs_logp_diff", "routing_agreement",
-                                              "param_max_diff", "k3_old_new", "probe_flip_rate")}
+                                              "lag_k3", "k3_old_new", "probe_flip_rate")}
     figures["drift/decision"] = decision                      # MoEPPO._log_check
     for rank in range(2):                                     # actors/learner.py memory_stats
         for k in ("expert_param_bytes", "peak_rss_mb", "rss_mb"):
@@ -273,7 +273,7 @@ def _free_port():
 DRIVER = r"""
 import json, statistics, sys, time
 import ray
-from moe_rl.prometheus import PrometheusExporter
+from moe_rl.algo.prometheus import PrometheusExporter
 from tests.test_prometheus import realistic_row
 ray.init(address=sys.argv[1], log_to_driver=False)
 ex = PrometheusExporter(run="e2e")

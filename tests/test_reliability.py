@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from moe_rl import checkpoint as ck
-from moe_rl.cli import main
-from moe_rl.settings import ConfigError
+from moe_rl.app import checkpoint as ck
+from moe_rl.app.cli import main
+from moe_rl.core.settings import ConfigError
 
 TINY = ["--set", "training.train_batch_size_per_learner=200", "--set", "training.minibatch_size=100",
         "--set", "training.num_epochs=1", "--set", "moe.num_experts=4", "--set", "moe.d_model=16",
@@ -114,7 +114,7 @@ def test_a_read_only_checkpoints_dir_is_a_clear_error(tmp_path):
     ("restore_on_learner_failure", "yes", "restore_on_learner_failure: must be of type bool, got 'yes'"),
 ])
 def test_checkpoint_settings_are_validated(key, value, message):
-    from moe_rl.run_config import validate_run_config
+    from moe_rl.app.run_config import validate_run_config
     with pytest.raises(ConfigError) as err:
         validate_run_config({"env": "CartPole-v1", key: value})
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
@@ -169,7 +169,7 @@ def learner_snapshot(algo):
                 [{k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
                  for opt in opts for st in opt.state_dict()["state"].values()],
                 {k: v.detach().clone() for k, v in learner.curr_kl_coeffs_per_module.items()})
-    return ck._results(algo.learner_group.foreach_learner(snap))
+    return algo.learner_group.foreach(snap)
 
 
 def assert_bit_identical(saved, restored):
@@ -189,7 +189,7 @@ def rows(run):
 
 
 class Hooks:
-    """Wraps moe_rl.checkpoint's save/restore as the CLI calls them: records what was saved and
+    """Wraps moe_rl.app.checkpoint's save/restore as the CLI calls them: records what was saved and
     what was restored; optional action after a given iteration's checkpoint."""
 
     def __init__(self, monkeypatch, after_save=None):
@@ -214,7 +214,7 @@ class Hooks:
 
 def interrupt_after_logging(monkeypatch, iteration):
     """Ctrl-C right after `iteration`'s metrics row is written (its checkpoint is not due)."""
-    from moe_rl.run_dir import RunDir
+    from moe_rl.app.run_dir import RunDir
     log = RunDir.log
 
     def interrupting_log(self, row):
@@ -305,7 +305,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_evaluate_too(plain_run, tm
     (["--output", "/elsewhere"], "--output: a resumed run continues in its own directory"),
 ])
 def test_resume_refuses_to_change_the_model(plain_run, capsys, args, needle):
-    from moe_rl.run_config import default_config_path
+    from moe_rl.app.run_config import default_config_path
     args = [default_config_path() if a == "CONFIG" else a for a in args]
     before = (plain_run[0] / "config.yaml").read_text()
     assert main(["train", "--resume", str(plain_run[0]), *args]) == 2
@@ -328,7 +328,7 @@ def test_failed_verification_quarantines_the_checkpoint(ray_local, monkeypatch, 
     weights right after iteration 2's checkpoint is written and the check catches it."""
     def nudge(algo):
         with torch.no_grad():
-            next(iter(algo.learner_group._learner.module["default_policy"].parameters())).add_(1e-3)
+            algo.learner_group.foreach(lambda l: next(iter(l.module["default_policy"].parameters())).add_(1e-3))
     Hooks(monkeypatch, after_save={2: nudge})
     run = tmp_path / "run"
     assert main(["train", "--output", str(run), "--iterations", "2", *PLAIN]) == 0
@@ -377,7 +377,7 @@ def kill_learner_on_update(monkeypatch, rank, iteration):
     raises RayActorError (ActorDiedError)."""
     import ray
 
-    from moe_rl.algorithm import MoEPPO
+    from moe_rl.algo.algorithm import MoEPPO
     update = MoEPPO._update
 
     def killing_update(self, episodes):

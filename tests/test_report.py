@@ -1,4 +1,4 @@
-"""`moe_rl.report.write_report` on synthetic run directories (no Ray): every section renders from the
+"""`moe_rl.app.report.write_report` on synthetic run directories (no Ray): every section renders from the
 real column names, missing files/columns say "not recorded", and the page is self-contained."""
 import math
 import re
@@ -8,10 +8,10 @@ import subprocess
 import pytest
 import yaml
 
-from moe_rl.consistency import format_breach
-from moe_rl.metrics import GRADES, WORST_OF
-from moe_rl.report import DECISION_COLOURS, GRADE_COLOURS, write_report
-from moe_rl.run_dir import write_table
+from moe_rl.core.drift import format_breach
+from moe_rl.core.metrics import GRADES, WORST_OF
+from moe_rl.app.report import DECISION_COLOURS, GRADE_COLOURS, write_report
+from moe_rl.algo.results import write_table
 
 N, LAYERS, ITERS = 8, 2, 12
 
@@ -54,10 +54,12 @@ def ledger_rows():
                      "routing_agreement/layer0": 1.0, "routing_jaccard/layer0": 1.0,
                      "routing_agreement/layer1": 1.0 - 0.02 * it, "routing_jaccard/layer1": 1.0,
                      "routing_agreement": 1.0 - 0.01 * it, "routing_jaccard": 1.0, "routing_flip_rate": 0.01 * it,
-                     "first_divergent_layer": 1, "param_max_diff": 0.47 if breach else 0.0,
-                     "param_breaches": len(breach), "param_breach_lines": "\n".join(format_breach(*b) for b in breach),
-                     "replica_max_diff": 0.0, "weights_finite": True, "k3_old_new": 0.01, "probe_flip_rate": 0.1,
-                     "decision": decision, "reason": "" if decision == "sync" else "k3=0.0012 (threshold=0.001)",
+                     "first_divergent_layer": 1, "lag_versions": 0,
+                     "param_breach_lines": "\n".join(format_breach(*b) for b in breach),
+                     "weights_finite": True, "k3_old_new": 0.01, "probe_flip_rate": 0.1,
+                     "decision": decision, "cause": "" if decision == "sync" else "bad_update",
+                     "action": "" if decision == "sync" else decision,
+                     "reason": "" if decision == "sync" else "bad update k3_old_new=0.0012 (threshold=0.001)",
                      "check_time_s": 0.01})
     return rows
 
@@ -124,7 +126,7 @@ def test_full_run_renders_every_section(tmp_path, per_expert):
     assert "<td>layers.1.experts.3.w1</td><td>0.47</td><td>1e-05</td>" in sync and "<td>pi.weight</td>" in sync
     for decision, count in (("sync", 9), ("warn", 1), ("hold", 1), ("rollback", 1)):
         assert f"<tr><td>{decision}</td><td>{count}</td></tr>" in sync
-    assert "sync decision per check" in sync and "k3=0.0012 (threshold=0.001)" in sync
+    assert "sync decision per check" in sync and "k3_old_new=0.0012 (threshold=0.001)" in sync
     alerts = s["7. Alerts"]
     assert "<td>moe/layer1/min_util</td><td>threshold</td>" in alerts and "value loss spiked 9x" in alerts
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in alerts  # text is escaped, never markup

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from moe_rl.anomaly import AnomalyDetector
-from moe_rl.moe import MoELayer
-from moe_rl.settings import ConfigError
-from moe_rl.stability import (EXACT_QUANTILE_MAX, Lamb, StabilityToolkit, abs_quantile, expert_dropout_at, lr_at,
+from moe_rl.core.anomaly import AnomalyDetector
+from moe_rl.core.layer import MoELayer
+from moe_rl.core.settings import ConfigError
+from moe_rl.core.stability import (EXACT_QUANTILE_MAX, Lamb, StabilityToolkit, abs_quantile, expert_dropout_at, lr_at,
                               orthonormal_basis, project_, set_expert_dropout, validate_stability, winsorize_)
 
 
@@ -290,8 +290,8 @@ def test_bad_stability_settings_name_the_field(settings, field):
 # --- model options -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("token_policy", [False, True])
 def test_activation_checkpointing_gives_the_same_outputs_and_gradients(token_policy):
-    from moe_rl.policy import MoEMLPTrunk, MoETransformerTrunk
-    from moe_rl.settings import MOE_DEFAULTS
+    from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk
+    from moe_rl.core.settings import MOE_DEFAULTS
     grads = []
     for ckpt in (False, True):
         torch.manual_seed(0)
@@ -311,9 +311,9 @@ def test_activation_checkpointing_gives_the_same_outputs_and_gradients(token_pol
 
 
 def test_reinforce_router_records_survive_token_selection():
-    from moe_rl.losses import reinforce_router_loss
-    from moe_rl.policy import MoETransformerTrunk
-    from moe_rl.settings import MOE_DEFAULTS
+    from moe_rl.core.losses import reinforce_router_loss
+    from moe_rl.core.policy import MoETransformerTrunk
+    from moe_rl.core.settings import MOE_DEFAULTS
     s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "router": "reinforce"}
     trunk = MoETransformerTrunk(5, s)
     _, records = trunk({"tokens": torch.randint(0, 5, (6, 8)), "position": torch.randint(0, 8, (6,))})

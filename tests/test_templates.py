@@ -4,8 +4,8 @@ import os
 import pyarrow.parquet as pq
 import pytest
 
-from moe_rl.cli import main
-from moe_rl.run_config import load_run_config, validate_run_config
+from moe_rl.app.cli import main
+from moe_rl.app.run_config import load_run_config, validate_run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATES = ("pretrain", "finetune", "multitask")

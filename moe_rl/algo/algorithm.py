@@ -1,0 +1,365 @@
+"""MoE-PPO on RLlib: MoEPPOConfig (a PPOConfig) and MoEPPO (a PPO).
+
+    config = (MoEPPOConfig().environment("CartPole-v1")
+              .env_runners(num_env_runners=2)
+              .moe(num_experts=8, top_k=2, router="topk"))
+    algo = config.build_algo()
+    algo.train()
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import Any, Dict
+
+import ray
+from ray.rllib.algorithms.algorithm_config import NotProvided
+from ray.rllib.algorithms.ppo import PPO, PPOConfig
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
+from ray.rllib.utils.metrics import (ALL_MODULES, ENV_RUNNER_RESULTS, ENV_RUNNER_SAMPLING_TIMER,
+                                     LEARNER_RESULTS, LEARNER_UPDATE_TIMER, NUM_ENV_STEPS_SAMPLED_LIFETIME,
+                                     NUM_MODULE_STEPS_TRAINED_LIFETIME, SYNCH_WORKER_WEIGHTS_TIMER, TIMERS)
+
+import envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that loads this config
+from actors.learner_group import DeepSpeedLearnerGroup
+from moe_rl.algo.prometheus import PrometheusExporter
+from moe_rl.algo.results import metrics_row, write_table
+from moe_rl.algo.sync_gate import GateStop, SyncGate
+from moe_rl.core.anomaly import AnomalyDetector, rss_mb
+from moe_rl.core.gate import validate_consistency
+from moe_rl.core.sample_filter import drop_nonfinite
+from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
+from moe_rl.core.stability import STABILITY_DEFAULTS, validate_stability
+from moe_rl.rllib.learner import MoEPPOTorchLearner
+from moe_rl.rllib.learner_group import MoELearnerGroup
+from moe_rl.rllib.rl_module import MoEPolicyModule
+from moe_rl.rllib.runner import load_shards_into_runner, runner_dtypes, runner_modules
+
+__all__ = ["MoEPPOConfig", "MoEPPO", "GateStop"]
+
+logger = logging.getLogger(__name__)
+
+
+class MoEPPOConfig(PPOConfig):
+    """PPOConfig plus `.moe(...)` (the MoE policy), `.deepspeed(...)` (the expert-parallel learner
+    group) and `.consistency(...)` (drift checks and the sync gate)."""
+
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class or MoEPPO)
+        self.moe_settings: Dict[str, Any] = copy.deepcopy(MOE_DEFAULTS)
+        self.deepspeed_settings: Dict[str, Any] = copy.deepcopy(DEEPSPEED_DEFAULTS)
+        self.stability_settings: Dict[str, Any] = {}
+        self.consistency_settings: Dict[str, Any] = {}
+
+    def moe(self, **kwargs) -> "MoEPPOConfig":
+        """Set `moe.*` keys (see moe_rl.core.settings.MOE_DEFAULTS for every key and its default)."""
+        unknown = sorted(set(kwargs) - set(MOE_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"moe.{unknown[0]}: unknown key, allowed: {', '.join(sorted(MOE_DEFAULTS))}")
+        self.moe_settings.update({k: v for k, v in kwargs.items() if v is not NotProvided})
+        return self
+
+    def deepspeed(self, **kwargs) -> "MoEPPOConfig":
+        """DeepSpeed learner group: `config` (dict or JSON path, passed to deepspeed.initialize),
+        `enabled`, `num_threads` (see moe_rl.core.settings.DEEPSPEED_DEFAULTS)."""
+        unknown = sorted(set(kwargs) - set(DEEPSPEED_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"deepspeed.{unknown[0]}: unknown key, allowed: {', '.join(sorted(DEEPSPEED_DEFAULTS))}")
+        self.deepspeed_settings.update({k: v for k, v in kwargs.items() if v is not NotProvided})
+        return self
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return bool(resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)["enabled"])
+
+    def build_learner_group(self, *, env=None, spaces=None, rl_module_spec=None, placement_group=None):
+        """RLlib's LearnerGroup (as MoELearnerGroup), or the DeepSpeed expert-parallel group: both
+        offer the learner-group interface of moe_rl.rllib.learner_group."""
+        if rl_module_spec is None:
+            rl_module_spec = self.get_multi_rl_module_spec(env=env, spaces=spaces)
+        if not self.uses_deepspeed:
+            return MoELearnerGroup(config=self.copy(), module_spec=rl_module_spec, placement_group=placement_group)
+        config = self.copy(copy_frozen=False)
+        config.deepspeed_settings = resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
+        config.freeze()
+        return DeepSpeedLearnerGroup(config=config, module_spec=rl_module_spec)
+
+    def stability(self, **kwargs) -> "MoEPPOConfig":
+        """The stability toolkit: per-group LR schedules and clipping, NaN-step skipping,
+        winsorizing, projection, router warm-up, expert-dropout schedule, LAMB, anomaly detection
+        (see moe_rl.core.stability.STABILITY_DEFAULTS for every key and its default)."""
+        unknown = sorted(set(kwargs) - set(STABILITY_DEFAULTS))
+        if unknown:
+            raise ConfigError(f"stability.{unknown[0]}: unknown key, allowed: {', '.join(sorted(STABILITY_DEFAULTS))}")
+        self.stability_settings.update({k: v for k, v in kwargs.items() if v is not NotProvided})
+        return self
+
+    def consistency(self, **kwargs) -> "MoEPPOConfig":
+        """Drift checks and the sync gate: every, policy (warn|hold|rollback), thresholds, ...
+        (see moe_rl.core.gate.CONSISTENCY_DEFAULTS)."""
+        self.consistency_settings.update(kwargs)
+        return self
+
+    @property
+    def _model_config_auto_includes(self) -> Dict[str, Any]:
+        return super()._model_config_auto_includes | {"moe": dict(self.moe_settings)}
+
+    def get_default_rl_module_spec(self) -> RLModuleSpec:
+        return RLModuleSpec(module_class=MoEPolicyModule)
+
+    def get_default_learner_class(self):
+        return MoEPPOTorchLearner
+
+    def validate(self) -> None:
+        super().validate()
+        validate_moe(self.moe_settings, num_learners=self.num_learners)
+        validate_stability(self.stability_settings)
+        resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
+        validate_consistency(self.consistency_settings)
+
+
+class MoEPPO(PPO):
+    """PPO whose policy is an MoE. One iteration (`training_step`):
+
+        sample     rollout actors step their envs with the inference copy (weights version v)
+        check 1    rollout copies vs v (digests, repair), the learners' view of the sample (mismatch)
+        update     PPO epochs on the learner group
+        check 2    the candidate: finite, update size, KL and flips on the probe set (the gate decides)
+        sync       the learners' parts to the rollout actors: version v + 1, strictly assembled
+    """
+
+    @classmethod
+    def get_default_config(cls) -> MoEPPOConfig:
+        return MoEPPOConfig()
+
+    def setup(self, config) -> None:
+        super().setup(config)
+        settings = validate_consistency(self.config.consistency_settings)
+        self.weights_version = 0          # the version the rollout actors run
+        self.updates_since_sync = 0       # > 0: the learners are ahead of the rollouts (a hold)
+        self.synced_refs: list = []       # the learners' published parts of version weights_version
+        self.synced_digests: dict = {}
+        self._pending_faults: list = []   # test hooks (moe_rl.algo.faults.inject)
+        self.sync_gate = None
+        if settings["enabled"]:
+            self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
+            discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
+                lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()})[1][0].items()}
+            self.sync_gate = SyncGate(self, settings, discrete)
+        self._sync_rollout_weights()
+        self._faults = {"env_runner_failures": 0, "lost_env_steps": 0, "env_runners_restored": 0,
+                        "nonfinite_episodes_dropped": 0, "nonfinite_env_steps_dropped": 0}
+        stability = validate_stability(self.config.stability_settings)
+        self.anomaly = None
+        self.alerts: list = []
+        self.alerts_path = stability["alerts_path"]
+        if stability["anomaly_detection"]:
+            self.anomaly = AnomalyDetector(stability, self.config.moe_settings["num_experts"],
+                                           self.config.moe_settings["top_k"])
+        run = os.path.basename(os.path.dirname(os.path.abspath(self.alerts_path))) if self.alerts_path else "moe_rl"
+        self.prometheus = PrometheusExporter(run=run, num_experts=self.config.moe_settings["num_experts"])
+
+    def step(self):
+        results = super().step()
+        self._watch(results)
+        return results
+
+    def _watch(self, results) -> None:
+        """Anomaly detection (if enabled) over this iteration's metrics (and every actor's RSS): new
+        alerts go to the results (`moe_rl/alerts/*`, `moe_rl_alerts`), the log, and
+        `stability.alerts_path`; then the row and the alerts go to Prometheus (moe_rl.algo.prometheus)."""
+        figures = results.setdefault("moe_rl", {})
+        figures["memory/rss_mb/driver"] = rss_mb()
+        if self.config.num_env_runners > 0:
+            try:
+                for i, v in enumerate(self.env_runner_group.foreach_env_runner(
+                        lambda r: rss_mb(), local_env_runner=False)):
+                    figures[f"memory/rss_mb/runner{i + 1}"] = v
+            except ray.exceptions.RayError:   # a dead runner: fault tolerance handles it, not this watch
+                pass
+        row = metrics_row({**results, "training_iteration": self.iteration + 1})
+        new = []
+        if self.anomaly is not None:
+            new = self.anomaly.observe(row)
+            self.alerts.extend(new)
+            figures["alerts/new"], figures["alerts/total"] = len(new), len(self.alerts)
+            results["moe_rl_alerts"] = new
+            for a in new:
+                logger.warning("moe-rl alert: iteration %d %s: %s", a["iteration"], a["kind"], a["message"])
+            if new and self.alerts_path:
+                write_table(self.alerts_path, self.alerts)
+        self.prometheus.export(row, new)
+
+    def cleanup(self) -> None:
+        if getattr(self, "sync_gate", None) is not None:
+            self.sync_gate.close()
+        if getattr(self, "prometheus", None) is not None:
+            self.prometheus.close()
+        super().cleanup()
+
+    # --- one iteration ----------------------------------------------------------------------------
+    def training_step(self) -> None:
+        episodes = self._sample()
+        if not episodes:
+            return
+        gate = self.sync_gate
+        check = gate is not None and (self.iteration % gate.s["every"] == 0 or gate.holding)
+        if check:
+            gate.before_update(episodes)
+        self._inject_faults("before_update")
+        self._update(episodes)
+        self.updates_since_sync += 1
+        self._inject_faults("after_update")
+        if check:
+            verdict = gate.after_update()
+            self._log_check(verdict)
+            if verdict["decision"] in ("hold", "rollback"):   # rollouts stay on the last good weights
+                return
+        self._sync_rollout_weights()
+
+    def _log_check(self, verdict) -> None:
+        rows = self.sync_gate.rows
+        row = rows[-1]
+        figures = {"drift/" + k: row[k] for k in ("k1", "k3", "max_abs_logp_diff", "routing_agreement", "lag_versions",
+                                                    "lag_k3", "k3_old_new", "probe_flip_rate") if k in row}
+        figures.update({"drift/decision": verdict["decision"], "drift/cause": ";".join(verdict["causes"]),
+                        "drift/action": ";".join(verdict["actions"]), "drift/repairs": self.sync_gate.repairs})
+        for k, v in figures.items():
+            if isinstance(v, str):
+                self.metrics.log_value(("moe_rl", k), v, reduce="item")
+            else:
+                self.metrics.log_value(("moe_rl", k), v, window=1)
+        path = self.sync_gate.s.get("ledger_path")
+        if path:
+            write_table(path, rows)
+
+    # --- weights ----------------------------------------------------------------------------------
+    def runner_call(self, fn, runner_ids=None, **kwargs):
+        """fn(runner, **kwargs) on the rollout actors that sample (the local one when there are
+        no remote ones) -> (runner ids, results)."""
+        group = self.env_runner_group
+        if group.num_remote_env_runners() == 0:
+            return [0], group.foreach_env_runner(lambda r: fn(r, **kwargs), local_env_runner=True)
+        ids = list(runner_ids) if runner_ids is not None else list(group.healthy_env_runner_ids())
+        return ids, group.foreach_env_runner(lambda r: fn(r, **kwargs), remote_worker_ids=ids,
+                                             local_env_runner=False)
+
+    def push_synced_weights(self, runner_ids=None, force: bool = False) -> None:
+        """Load the synced version into rollout actors (all, or `runner_ids`; force: even when
+        they already claim that version)."""
+        refs, version = self.synced_refs, self.weights_version
+        self.runner_call(lambda r: load_shards_into_runner(r, refs, version, force), runner_ids)
+
+    def _sync_rollout_weights(self) -> None:
+        """Version v + 1 to the rollout actors: every learner publishes its own part once, each
+        rollout actor assembles them strictly. The parts stay referenced (the synced version:
+        repairs, restarted actors and the update-size check use them) and their digests, in the
+        rollout copies' dtypes, are taken where they live."""
+        with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
+            self.synced_refs = self.learner_group.publish_weights(inference_only=True)
+            self.weights_version += 1
+            self.updates_since_sync = 0
+            self.push_synced_weights()
+            if self.sync_gate is not None:
+                self.synced_digests = {}
+                for part in self.learner_group.shard_digests(self.rollout_dtypes):
+                    for mid, d in part.items():
+                        self.synced_digests.setdefault(mid, {}).update(d)
+                self.sync_gate.after_sync()
+
+    def restore_last_good(self) -> None:
+        """The learners back to the state of the synced version (weights and optimizer moments)."""
+        self.sync_gate.restore()
+        self.updates_since_sync = 0
+
+    def _inject_faults(self, stage: str) -> None:
+        for fault in [f for f in self._pending_faults if f.stage == stage]:
+            self._pending_faults.remove(fault)
+            fault.apply(self)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def get_state(self, *args, **kwargs):
+        state = super().get_state(*args, **kwargs)
+        if getattr(self, "sync_gate", None) is not None:
+            state[GATE_STATE] = self.sync_gate.get_state()
+        return state
+
+    def set_state(self, state) -> None:
+        super().set_state(state)
+        if getattr(self, "sync_gate", None) is not None and GATE_STATE in state:
+            self.sync_gate.set_state(state[GATE_STATE])
+
+    def restore_from_path(self, path, *args, **kwargs):
+        super().restore_from_path(path, *args, **kwargs)
+        self._sync_rollout_weights()   # the restored weights are a new version for the rollouts
+
+    # --- the three steps --------------------------------------------------------------------------
+    def _sample(self):
+        """Rollout actors step their envs with the inference copy (weights version v). A rollout
+        actor that dies mid-sample costs only its in-flight request: the others fill the batch, the
+        loss is counted (`faults/*`), and RLlib restarts the actor before the next iteration.
+        Episodes with non-finite observations or rewards are dropped here and counted."""
+        healthy = self.env_runner_group.num_healthy_remote_workers()
+        with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
+            by_agent = self.config.count_steps_by == "agent_steps"
+            episodes, runner_results = synchronous_parallel_sample(
+                worker_set=self.env_runner_group,
+                max_agent_steps=self.config.total_train_batch_size if by_agent else None,
+                max_env_steps=None if by_agent else self.config.total_train_batch_size,
+                sample_timeout_s=self.config.sample_timeout_s,
+                _uses_new_env_runners=True, _return_metrics=True)
+            if episodes:
+                self.metrics.aggregate(runner_results, key=ENV_RUNNER_RESULTS)
+        failed = max(0, healthy - self.env_runner_group.num_healthy_remote_workers())
+        self._faults["env_runner_failures"] += failed
+        # A failed request loses what it was asked for: one rollout fragment per vectorised env.
+        self._faults["lost_env_steps"] += failed * self.config.get_rollout_fragment_length() * max(
+            1, self.config.num_envs_per_env_runner)
+        # Episodes with NaN/Inf observations or rewards never reach the checks or the learners.
+        episodes, dropped, steps = drop_nonfinite(episodes or [])
+        self._faults["nonfinite_episodes_dropped"] += dropped
+        self._faults["nonfinite_env_steps_dropped"] += steps
+        self._log_faults()
+        return episodes
+
+    def _log_faults(self) -> None:
+        for k, v in self._faults.items():
+            self.metrics.log_value(("moe_rl", f"faults/{k}"), v, window=1)
+
+    def restore_env_runners(self, env_runner_group):
+        """RLlib restarts failed rollout actors and syncs them from the learner group, which may
+        be ahead of the version the rollouts run (a hold). A replacement takes the synced version
+        before it samples."""
+        restored = super().restore_env_runners(env_runner_group)
+        if not restored or env_runner_group is not self.env_runner_group:
+            return restored
+        self._faults["env_runners_restored"] += len(restored)
+        if self.synced_refs:
+            self.push_synced_weights(runner_ids=restored, force=True)
+        return restored
+
+    def _update(self, episodes):
+        """PPO epochs on the learner group (RLlib's LearnerGroup or the DeepSpeed one)."""
+        with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
+            learner_results = self.learner_group.update(
+                episodes=episodes,
+                timesteps={
+                    NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
+                        (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME)),
+                    NUM_MODULE_STEPS_TRAINED_LIFETIME: self.metrics.peek(
+                        (LEARNER_RESULTS, ALL_MODULES, NUM_MODULE_STEPS_TRAINED_LIFETIME), default=0),
+                },
+                num_epochs=self.config.num_epochs,
+                minibatch_size=self.config.minibatch_size,
+                shuffle_batch_per_epoch=self.config.shuffle_batch_per_epoch,
+            )
+            self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
+        for rank, stats in enumerate(self.learner_group.memory_stats()):
+            for k, v in stats.items():
+                self.metrics.log_value(("moe_rl", f"learner/{k}/rank{rank}"), v, window=1)
+        return learner_results
+
+
+GATE_STATE = "moe_rl_gate"

@@ -1,0 +1,90 @@
+"""One iteration's results as a flat row, and rows as a Parquet table.
+
+metrics.parquet has one row per iteration. Its columns are public API (also TensorBoard tags and,
+prefixed `moe_rl_`, Prometheus names):
+
+    iteration, env_steps_total, time_s, episode_return_mean, episode_len_mean,
+    policy_loss, vf_loss, entropy, mean_kl_loss, aux_loss, z_loss, weights_seq_no,
+    moe/cv, moe/min_util, moe/max_util, moe/active_experts, moe/router_entropy,
+    moe/router_entropy_norm, moe/health (healthy|warning|danger), moe/health_level (0|1|2),
+    moe/layer{i}/<same metrics>            per MoE layer; the moe/<metric> columns hold the worst layer.
+    moe/layer{i}/util/e{j}, .../logit_mean/e{j}, .../logit_std/e{j}   per expert (N <= 64)
+    stability/grad_norm/<group>, stability/grad_norm/total, stability/clip_coef/<group>,
+    stability/lr/<group>, stability/skipped_steps, stability/router_warmup, stability/expert_dropout
+    drift/<figure>, drift/decision, drift/cause, drift/action   the consistency check (drift.parquet
+                                           has every figure)
+    alerts/new, alerts/total, memory/rss_mb/<actor>, learner/<stat>/rank{r}
+    faults/<counter>, checkpoint/verified, checkpoint/verify_max_abs_diff
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Any, Dict, List
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moe_rl.core.metrics import GRADES
+
+LEARNER_KEYS = ("policy_loss", "vf_loss", "entropy", "mean_kl_loss", "aux_loss", "z_loss")
+LEARNER_PREFIXES = ("moe/", "stability/", "tis/", "reinforce_router_loss")
+
+
+def _float(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def metrics_row(result: Dict[str, Any], module_id: str = "default_policy") -> Dict[str, Any]:
+    """One metrics.parquet row from an RLlib `algo.train()` result."""
+    runners = result.get("env_runners", {})
+    learner = result.get("learners", {}).get(module_id, {})
+    row = {
+        "iteration": int(result.get("training_iteration", 0)),
+        "env_steps_total": int(result.get("num_env_steps_sampled_lifetime",
+                                          runners.get("num_env_steps_sampled_lifetime", 0))),
+        "time_s": _float(result.get("time_total_s")),
+        "episode_return_mean": _float(runners.get("episode_return_mean")),
+        "episode_len_mean": _float(runners.get("episode_len_mean")),
+        "weights_seq_no": _float(runners.get("weights_seq_no")),
+    }
+    row.update({k: _float(learner.get(k)) for k in LEARNER_KEYS})
+    for k, v in sorted(learner.items()):
+        if k.startswith(LEARNER_PREFIXES):
+            row[k] = _float(v)
+    level = row.get("moe/health")
+    if level is not None and not math.isnan(level):
+        row["moe/health_level"] = int(level)
+        row["moe/health"] = GRADES[int(level)]
+    for k, v in sorted(result.get("moe_rl", {}).items()):  # algorithm-level figures (drift, ...)
+        row[k] = v if isinstance(v, str) else _float(v)
+    return row
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_table(path: str, rows: List[Dict[str, Any]]) -> None:
+    """Rows (possibly with differing keys) -> one Parquet file, written atomically."""
+    columns: Dict[str, None] = {}
+    for r in rows:
+        columns.update(dict.fromkeys(r))
+    table = pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in rows])
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())

@@ -1,0 +1,234 @@
+"""SyncGate: the algorithm's side of the consistency check.
+
+It gathers what a check needs where it lives and carries out the gate's actions; the decisions
+are the consistency actor's (actors/consistency.py, moe_rl.core.gate):
+
+    gate.before_update(episodes)  rollout copies vs the synced weights (digests; repair at once),
+                                  the learners' view of a rollout sample (mismatch, or lag)
+    <learner update>
+    gate.after_update()           replicas (digests; resync), update size + finiteness (computed
+                                  on the learners), the candidate's view of the probe set ->
+                                  sync | warn | hold | rollback | stop (GateStop)
+    gate.after_sync()             the new last good state (exact: weights and optimizer moments)
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import ray
+import tree
+from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core.columns import Columns
+from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
+
+from actors.consistency import ConsistencyActor
+from moe_rl.core.digests import differing, max_abs_diff
+from moe_rl.core.drift import format_breach
+from moe_rl.rllib.rl_module import MOE_TOPK, replays_routing
+from moe_rl.rllib.runner import runner_digests, runner_tensor
+
+logger = logging.getLogger("moe_rl")
+
+
+class GateStop(RuntimeError):
+    """The gate stopped the run; str() is one line: the cause, the metric, its value and threshold,
+    and how to resume."""
+
+
+def rollout_sample(episodes, size: int, seed: int, module_id: str = DEFAULT_MODULE_ID) -> Dict[str, Dict[str, Any]]:
+    """Up to `size` recorded steps (uniformly over all steps) per module: obs, actions, the
+    rollout's log-probs and top-k, the weights version of each step, and the position for
+    token-sequence observations."""
+    parts = []
+    for ep in episodes:
+        n = len(ep)
+        if n:
+            parts.append({"obs": ep.get_observations(slice(0, n)), "actions": np.asarray(ep.get_actions(slice(0, n))),
+                          "logp": ep.get_extra_model_outputs(Columns.ACTION_LOGP, slice(0, n)),
+                          "topk": ep.get_extra_model_outputs(MOE_TOPK, slice(0, n)),
+                          "seq": ep.get_extra_model_outputs(WEIGHTS_SEQ_NO, slice(0, n))})
+    if not parts:
+        return {}
+    data = tree.map_structure(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
+    total = len(data["actions"])
+    pick = np.sort(np.random.default_rng(seed).choice(total, size=min(size, total), replace=False))
+    data = tree.map_structure(lambda x: x[pick], data)
+    data["logp"] = data["logp"].astype(np.float64)
+    obs = data["obs"]
+    data["positions"] = np.asarray(obs["position"]).reshape(-1) if isinstance(obs, dict) and "position" in obs else None
+    return {module_id: data}
+
+
+def _merge(parts: List[Dict[str, Dict]]) -> Dict[str, Dict]:
+    out: Dict[str, Dict] = {}
+    for p in parts:
+        for mid, d in p.items():
+            out.setdefault(mid, {}).update(d)
+    return out
+
+
+class SyncGate:
+    def __init__(self, algo, settings: Dict[str, Any], discrete: Dict[str, bool]):
+        self.algo, self.s = algo, settings
+        self.actor = ray.remote(ConsistencyActor).options(num_cpus=0).remote(settings, discrete)
+        self.replay = replays_routing(algo.config.moe_settings)
+        self.rows: List[Dict[str, Any]] = []
+        self.repairs = 0
+        self._snapshot = None
+        self._pre: Optional[Dict[str, Any]] = None
+
+    @property
+    def group(self):
+        return self.algo.learner_group
+
+    @property
+    def holding(self) -> bool:
+        """The learners are ahead of the rollouts (a hold): every iteration is checked."""
+        return self.algo.updates_since_sync > 0
+
+    # --- before the update ------------------------------------------------------------------------
+    def before_update(self, episodes) -> None:
+        algo = self.algo
+        data = rollout_sample(episodes, self.s["sample_size"], seed=algo.iteration)
+        if not ray.get(self.actor.has_probe.remote()) and data:
+            probe = {mid: tree.map_structure(lambda x: x[: self.s["probe_size"]], d["obs"]) for mid, d in data.items()}
+            ray.get(self.actor.set_probe.remote(probe, self.group.trainer_view(
+                {mid: {"obs": o} for mid, o in probe.items()})))
+        corrupt = self._check_copies()
+        lag = algo.updates_since_sync
+        rollout, asked = {}, {}
+        for mid, d in data.items():
+            # Same weights only: steps the rollouts took with the synced version (an episode that
+            # began before the last sync carries older steps: policy lag, not mismatch).
+            keep = d["seq"] == algo.weights_version if lag == 0 else np.ones(len(d["seq"]), bool)
+            d = tree.map_structure(lambda x: x[keep] if isinstance(x, np.ndarray) else x, d)
+            rollout[mid] = {"logp": d["logp"], "topk": d["topk"], "positions": d["positions"]}
+            asked[mid] = {"obs": d["obs"], "actions": d["actions"], "topk": d["topk"]}
+        view = self.group.trainer_view(asked, replay=self.replay) if asked else {}
+        self._pre = {"rollout": rollout, "trainer": view, "lag": lag, "corrupt": corrupt}
+
+    def _check_copies(self) -> List[str]:
+        """Every rollout actor's copy vs the synced weights, by digest. A copy that differs is
+        repaired at once (the synced weights re-sent, then verified); one that still differs
+        after two repairs stops the run."""
+        algo = self.algo
+        lines: List[str] = []
+        for attempt in range(3):
+            bad = self._corrupt_copies()
+            if not bad:
+                return lines
+            if attempt == 0:
+                lines = self._breach_lines(bad)
+            if attempt == 2:
+                rid, mid, name = next((r, m, n) for r, mods in bad.items() for m, names in mods.items() for n in names)
+                self.algo.restore_last_good()
+                raise GateStop(f"corrupt_copy: rollout actor {rid} still differs from the synced weights after two "
+                               f"repairs ({mid}: {name}); the run stays resumable: moe-rl train --resume RUN_DIR")
+            self.repairs += 1
+            algo.push_synced_weights(runner_ids=list(bad), force=True)
+            logger.warning("moe-rl gate: iteration %d repair (corrupt_copy): %s", algo.iteration + 1, lines[0])
+        return lines
+
+    def _corrupt_copies(self) -> Dict[Any, Dict[str, List[str]]]:
+        algo = self.algo
+        ids, digests = algo.runner_call(runner_digests)
+        bad = {}
+        for rid, actual in zip(ids, digests):
+            mods = {mid: differing(algo.synced_digests.get(mid, {}), actual.get(mid, {}))
+                    for mid in set(algo.synced_digests) | set(actual)}
+            mods = {m: n for m, n in mods.items() if n}
+            if mods:
+                bad[rid] = mods
+        return bad
+
+    def _breach_lines(self, bad) -> List[str]:
+        """`rollout actor 1: trunk...fc1.weight: max_diff=0.47 (threshold=0)` per differing tensor:
+        only these tensors travel (from the actor and from the learners' synced part)."""
+        algo = self.algo
+        synced = None
+        lines = []
+        for rid, mods in bad.items():
+            for mid, names in mods.items():
+                for name in names[:5]:
+                    got = algo.runner_call(runner_tensor, module_id=mid, name=name, runner_ids=[rid])[1][0]
+                    if synced is None:
+                        synced = _merge(ray.get(list(algo.synced_refs)))
+                    want = synced.get(mid, {}).get(name)
+                    diff = max_abs_diff(want, got) if want is not None and got is not None else float("inf")
+                    lines.append(f"rollout actor {rid}: " + format_breach(name, diff, 0.0))
+        return lines
+
+    # --- after the update -------------------------------------------------------------------------
+    def after_update(self) -> Dict[str, Any]:
+        algo, pre = self.algo, self._pre
+        self._pre = None
+        lag = pre["lag"] + 1            # the candidate is one more update past the synced weights
+        replicas = self._check_replicas()
+        stats = self.group.weight_stats(algo.synced_refs)
+        probe = ray.get(self.actor.get_probe.remote())
+        candidate = self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}) if probe else {}
+        result = ray.get(self.actor.check.remote(
+            iteration=algo.iteration + 1, version=algo.weights_version, lag=pre["lag"], rollout=pre["rollout"],
+            trainer=pre["trainer"], stats=stats, candidate_view=candidate, corrupt=pre["corrupt"],
+            replicas=replicas, repairs=self.repairs))
+        self.rows.extend(result["rows"])
+        verdict = result["verdict"]
+        acted = [a for a in verdict["actions"] if a != "repair"]   # repairs were logged when made
+        if acted:
+            logger.warning("moe-rl gate: iteration %d %s (%s): %s", algo.iteration + 1, ";".join(acted),
+                           ";".join(c for c in verdict["causes"] if c != "corrupt_copy"), verdict["reason"])
+        decision = verdict["decision"]
+        if decision in ("rollback", "stop"):
+            algo.restore_last_good()
+        if decision == "stop":
+            raise GateStop(f"bad_update: {verdict['reason']} after {self.s['max_rollbacks']} rollbacks in a row; "
+                           f"the learners hold the last good weights; the run stays resumable: moe-rl train "
+                           f"--resume RUN_DIR (consider a lower training.lr)")
+        self.group.set_lr_scale(verdict["lr_scale"])
+        verdict["lag"] = lag
+        return verdict
+
+    def _check_replicas(self) -> List[str]:
+        """Learners that hold the same tensor must hold the same bytes. A divergence is named and
+        the learners are resynchronised from the publishing learner's copy (rank 0 for dense
+        tensors, the first holder of each expert)."""
+        digests = self.group.replica_digests()
+        if len(digests) < 2:
+            return []
+        first: Dict[tuple, tuple] = {}
+        diverged = []
+        for rank, mods in enumerate(digests):
+            for mid, names in mods.items():
+                for name, d in names.items():
+                    if (mid, name) not in first:
+                        first[(mid, name)] = (rank, d[3])
+                    elif first[(mid, name)][1] != d[3]:
+                        diverged.append((mid, name, first[(mid, name)][0], rank))
+        if not diverged:
+            return []
+        lines = []
+        for mid, name, a, b in diverged[:5]:
+            held = self.group.tensor(mid, name)
+            lines.append(f"learner {b} vs learner {a}: " + format_breach(name, max_abs_diff(held[a], held[b]), 0.0))
+        self.group.load_shards(self.group.publish_weights(inference_only=False), inference_only=False)
+        return lines
+
+    # --- the last good state ----------------------------------------------------------------------
+    def after_sync(self) -> None:
+        self._snapshot = self.group.snapshot()
+
+    def restore(self) -> None:
+        if self._snapshot is not None:
+            self.group.restore(self._snapshot)
+
+    def get_state(self) -> Dict[str, Any]:
+        return {"actor": ray.get(self.actor.get_state.remote()), "repairs": self.repairs}
+
+    def set_state(self, state: Dict[str, Any]) -> None:
+        ray.get(self.actor.set_state.remote(state.get("actor", {})))
+        self.repairs = int(state.get("repairs", 0))
+
+    def close(self) -> None:
+        ray.kill(self.actor)

@@ -1,0 +1,429 @@
+"""Checkpoints that are complete or absent, verified before use.
+
+    save_checkpoint(algo, checkpoints_dir, iteration, run_config, keep)
+        algo.save_to_path into checkpoints/.tmp-iter_NNNNNN, the driver's RNG state, manifest.json
+        (sha256 + size of every file, iteration, resolved run config, moe-rl version, time),
+        fsync, os.rename to checkpoints/iter_NNNNNN, keep the last `keep`. A failed write leaves
+        no iter_ directory behind (CheckpointWriteError names the path).
+    verify_checkpoint(path)          re-hash every file of the manifest; CheckpointError names the file
+    latest_good_checkpoint(run_dir)  newest checkpoint that verifies (bad ones are reported, skipped)
+    verify_weights(algo, path, cfg)  the checkpoint's policy reloaded (as `moe-rl evaluate` loads it)
+                                     vs. the live learner module on a probe batch
+    restore_checkpoint(algo, path)   verify, algo.restore_from_path, driver RNG state
+    load_policy(checkpoint, cfg, ...) the policy a checkpoint holds (`moe-rl evaluate`, verification)
+    resume_config / model_conflicts  `moe-rl train --resume`: RUN_DIR/config.yaml, and what may not change
+    recover_learners(algo, error, ...)  a dead DeepSpeed learner: rebuild the group, restore the newest good one
+"""
+from __future__ import annotations
+
+import copy
+import glob
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import ray
+import torch
+import tree
+import yaml
+from ray.rllib.core import DEFAULT_MODULE_ID
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.rl_module import RLModule
+
+from moe_rl import __version__
+from moe_rl.algo.algorithm import MoEPPOConfig
+from moe_rl.app.run_config import BUILDER_SECTIONS
+from moe_rl.app.run_dir import truncate_table
+from moe_rl.core.errors import ConfigError
+from moe_rl.core.sharding import assemble_modules, assemble_shards
+from moe_rl.rllib.rl_module import MoEPolicyModule
+
+MANIFEST = "manifest.json"
+RNG_FILE = "driver_rng.pt"
+TMP_PREFIX = ".tmp-"
+CORRUPT_PREFIX = "corrupt-"
+FORMAT = 1
+_NAME = re.compile(r"^iter_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that fails verification; str() is one line naming the checkpoint and file."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written; str() is one line naming the path."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{int(iteration):06d}"
+
+
+def checkpoint_iteration(name: str) -> int:
+    return int(_NAME.match(name).group(1))
+
+
+def checkpoint_names(checkpoints_dir: str) -> List[str]:
+    """iter_NNNNNN directory names, oldest first."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    names = [n for n in os.listdir(checkpoints_dir) if _NAME.match(n)
+             and os.path.isdir(os.path.join(checkpoints_dir, n))]
+    return sorted(names, key=checkpoint_iteration)
+
+
+def _files(root: str) -> List[str]:
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _digest(path: str) -> Tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for dirpath, _, files in os.walk(root, topdown=False):
+        for f in files:
+            _fsync(os.path.join(dirpath, f))
+        _fsync(dirpath, directory=True)
+
+
+def write_manifest(path: str, iteration: int, run_config: Optional[Dict[str, Any]],
+                   time_total_s: Optional[float] = None) -> Dict[str, Any]:
+    files = {}
+    for rel in _files(path):
+        if rel != MANIFEST:
+            sha, size = _digest(os.path.join(path, rel))
+            files[rel] = {"sha256": sha, "size": size}
+    now = time.time()
+    manifest = {"format": FORMAT, "iteration": int(iteration), "moe_rl_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "created_unix": now,
+                "time_total_s": time_total_s, "run_config": run_config, "files": files}
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    return manifest
+
+
+# --- driver RNG state (python, numpy, torch), loadable with torch.load(weights_only=True) -----------
+def save_rng_state(path: str) -> None:
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    torch.save({"python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+                "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+                "torch": torch.get_rng_state()}, os.path.join(path, RNG_FILE))
+
+
+def load_rng_state(path: str) -> bool:
+    file = os.path.join(path, RNG_FILE)
+    if not os.path.isfile(file):
+        return False
+    s = torch.load(file, weights_only=True)
+    p = s["python"]
+    random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss"]))
+    n = s["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(s["torch"])
+    return True
+
+
+# --- write ----------------------------------------------------------------------------------------
+def save_checkpoint(algo, checkpoints_dir: str, iteration: int, run_config: Optional[Dict[str, Any]] = None,
+                    keep: Optional[int] = None) -> str:
+    """Atomic: the returned checkpoints/iter_NNNNNN is complete (manifest last, fsynced, renamed)."""
+    name = checkpoint_name(iteration)
+    final = os.path.join(checkpoints_dir, name)
+    tmp = os.path.join(checkpoints_dir, TMP_PREFIX + name)
+    old = os.path.join(checkpoints_dir, TMP_PREFIX + "replaced-" + name)
+    try:
+        for stale in os.listdir(checkpoints_dir):  # left by a process that died mid-write
+            if stale.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(checkpoints_dir, stale), ignore_errors=True)
+        algo.save_to_path(tmp)
+        save_rng_state(tmp)
+        write_manifest(tmp, iteration, run_config, getattr(algo, "_time_total", None))
+        _fsync_tree(tmp)
+        if os.path.exists(final):  # the same iteration again (after a resume or a learner restart)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync(checkpoints_dir, directory=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.exists(old) and not os.path.exists(final):
+            os.rename(old, final)
+        cause = getattr(e, "cause", None) or e  # a learner actor's OSError arrives as RayTaskError
+        reason = getattr(cause, "strerror", None) or (str(cause).splitlines() or [type(cause).__name__])[0]
+        raise CheckpointWriteError(e.errno, f"checkpoints: cannot write checkpoint {final!r}: {reason}") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if keep:
+        prune(checkpoints_dir, keep)
+    return final
+
+
+def prune(checkpoints_dir: str, keep: int) -> List[str]:
+    """Remove all but the newest `keep` checkpoints; returns the removed names."""
+    names = checkpoint_names(checkpoints_dir)
+    gone = names[:-keep] if keep >= 1 else []
+    for n in gone:
+        shutil.rmtree(os.path.join(checkpoints_dir, n), ignore_errors=True)
+    return gone
+
+
+def quarantine(path: str) -> str:
+    """Rename a bad checkpoint out of the iter_* namespace (kept for inspection, never loaded)."""
+    target = os.path.join(os.path.dirname(path), CORRUPT_PREFIX + os.path.basename(path))
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(path, target)
+    return target
+
+
+# --- verify ---------------------------------------------------------------------------------------
+def verify_checkpoint(path: str) -> Dict[str, Any]:
+    """Re-hash every file the manifest lists; a missing, truncated, altered or unlisted file is a
+    CheckpointError naming it. Returns the manifest."""
+    name = os.path.basename(os.path.normpath(path))
+
+    def bad(what: str):
+        raise CheckpointError(f"checkpoint {name} is corrupt: {what}")
+
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+        int(manifest["iteration"])
+        if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+            raise TypeError
+    except FileNotFoundError:
+        bad(f"{MANIFEST} missing (an incomplete or pre-manifest checkpoint)")
+    except (OSError, ValueError, KeyError, TypeError):
+        bad(f"{MANIFEST} unreadable")
+    present = set(_files(path)) - {MANIFEST}
+    for rel in sorted(files):
+        if rel not in present:
+            bad(f"{rel} missing")
+        sha, size = _digest(os.path.join(path, rel))
+        if size != files[rel].get("size"):
+            bad(f"{rel} is {size} bytes, the manifest says {files[rel].get('size')} (truncated or altered)")
+        if sha != files[rel].get("sha256"):
+            bad(f"{rel} sha256 mismatch")
+    extra = sorted(present - set(files))
+    if extra:
+        bad(f"{extra[0]} is not in the manifest")
+    return manifest
+
+
+def latest_good_checkpoint(run_dir: str, log=None) -> Optional[str]:
+    """The newest RUN_DIR/checkpoints/iter_* that verifies; each bad one is reported and skipped."""
+    root = os.path.join(run_dir, "checkpoints")
+    for name in reversed(checkpoint_names(root)):
+        path = os.path.join(root, name)
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as e:
+            (log or (lambda m: print(m, file=sys.stderr, flush=True)))(f"moe-rl: {e}; skipping it")
+    return None
+
+
+def restore_checkpoint(algo, path: str) -> Dict[str, Any]:
+    """Verify, then restore everything the checkpoint holds: weights, optimizer state of every
+    learner, RLlib learner/algorithm state (iteration counter, metrics, LR schedule position),
+    connector states, PPO's KL coefficients, the driver's RNG state and the run's clock."""
+    manifest = verify_checkpoint(path)
+    algo.restore_from_path(path)
+    load_rng_state(path)
+    if manifest.get("time_total_s") is not None:  # Trainable's clock (result time_total_s) goes on
+        algo._time_total = float(manifest["time_total_s"])
+    return manifest
+
+
+# --- the policy in a checkpoint, and periodic weight verification -------------------------------
+def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
+                module_id: str = DEFAULT_MODULE_ID) -> MoEPolicyModule:
+    """The policy from a checkpoint: RLlib's RLModule directory, or (DeepSpeed learner group) the
+    per-learner parts module_shard_rank*.pt, assembled strictly and loaded without unpickling code."""
+    path = os.path.join(checkpoint, "learner_group", "learner", "rl_module", module_id)
+    if os.path.isdir(path):
+        return RLModule.from_checkpoint(path)
+    shard_files = sorted(glob.glob(os.path.join(checkpoint, "learner_group", "module_shard_rank*.pt")))
+    if not shard_files:
+        raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds neither an RLModule nor learner shards")
+    module = MoEPolicyModule(observation_space=observation_space, action_space=action_space,
+                             model_config={"moe": cfg["moe"]}, inference_only=False)
+    parts = [torch.load(f, weights_only=True) for f in shard_files]
+    full = assemble_modules(parts)
+    if module_id not in full:
+        raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no module {module_id!r}")
+    module.load_state_dict(assemble_shards([full[module_id]], module.state_dict().keys()), strict=True)
+    return module
+
+
+def _forward_outputs(module, obs) -> Dict[str, Any]:
+    module = module.unwrapped() if hasattr(module, "unwrapped") else module
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            out = module.forward_inference({Columns.OBS: obs})
+    finally:
+        module.train(was_training)
+    return {k: v.detach().cpu().double().numpy() for k, v in out.items() if torch.is_tensor(v)}
+
+
+def probe_batch(observation_space, size: int = 32, seed: int = 0):
+    observation_space.seed(seed)
+    samples = [observation_space.sample() for _ in range(size)]
+
+    def stack(*xs):
+        a = np.stack([np.asarray(x) for x in xs])
+        return torch.as_tensor(a.astype(np.float32) if a.dtype.kind == "f" else a)
+    return tree.map_structure(stack, *samples)
+
+
+def verify_weights(algo, path: str, run_config: Dict[str, Any], probe_size: int = 32,
+                   tol: float = 1e-6) -> Tuple[bool, float]:
+    """Load the checkpoint's policy from its files (as `moe-rl evaluate` loads it) into a fresh
+    module and compare its outputs on a probe batch with the live policy's: the live weights
+    (every learner's published part) in the same rollout-side module class. Returns (ok, max abs diff)."""
+    group = algo.learner_group
+    live_state = assemble_modules(ray.get(group.publish_weights(inference_only=False)))[DEFAULT_MODULE_ID]
+    obs_space, act_space = group.publishers(
+        lambda l: (l.module[DEFAULT_MODULE_ID].observation_space, l.module[DEFAULT_MODULE_ID].action_space))[0]
+    obs = probe_batch(obs_space, probe_size)
+    loaded = load_policy(path, run_config, obs_space, act_space)
+    ckpt = _forward_outputs(loaded, obs)
+    loaded.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in live_state.items()}, strict=True)
+    live = _forward_outputs(loaded, obs)
+    if set(ckpt) != set(live):
+        return False, float("inf")
+    diff = 0.0
+    for k in live:
+        if ckpt[k].shape != live[k].shape:
+            return False, float("inf")
+        if ckpt[k].size:
+            diff = max(diff, float(np.nan_to_num(np.abs(ckpt[k] - live[k]), nan=np.inf).max()))
+    return diff <= tol, diff
+
+
+# --- resume and learner failures ------------------------------------------------------------------
+MODEL_FIELDS = ("env", "env_config", "moe", "deepspeed.enabled", "deepspeed.config", "learners.num_learners")
+
+
+def _plain_yaml(v):
+    return yaml.safe_load(yaml.safe_dump(v))
+
+
+def _flat(value, prefix: str) -> Dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}.{k}"))
+        return out
+    return {prefix: value}
+
+
+def model_fields(resolved_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The fields of a resolved run config that define the model and the checkpoint layout."""
+    out = {}
+    for field in MODEL_FIELDS:
+        node = resolved_config
+        for part in field.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        out.update(_flat(_plain_yaml(node), field))
+    return out
+
+
+def model_conflicts(saved: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """(field, saved value, new value) for every model field that differs."""
+    a, b = model_fields(saved), model_fields(new)
+    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """RUN_DIR/config.yaml as a run config again. It lists every resolved builder key, some of
+    which RLlib refuses to be given (deprecated aliases, whatever their value): those are dropped."""
+    cfg = copy.deepcopy(saved)
+    cfg.pop("ray_address", None)
+    for section in BUILDER_SECTIONS:
+        kept = {}
+        for k, v in (cfg.get(section) or {}).items():
+            try:
+                getattr(MoEPPOConfig(), section)(**{k: v})
+            except (ValueError, TypeError, DeprecationWarning):
+                continue
+            kept[k] = v
+        cfg[section] = kept
+    ds, moe = cfg.get("deepspeed") or {}, cfg.get("moe") or {}
+    if ds.get("enabled") == (moe.get("ep_size", 1) > 1 or bool(ds.get("config"))):
+        ds["enabled"] = None  # resolved from the default (auto): a changed layout is reported as such
+    return cfg
+
+
+class LearnerFailure(RuntimeError):
+    """A learner died and the run stops; str() is one line naming it and how to --resume."""
+
+
+def recover_learners(algo, error: BaseException, run_dir: str, restore: bool) -> Tuple[str, str]:
+    """After a Ray error in algo.train(): if learners died, rebuild the whole learner group (a
+    DeepSpeed process group cannot be repaired in place) and restore the newest good checkpoint.
+    Returns (checkpoint, who died). Raises LearnerFailure when that is off or impossible, and
+    re-raises `error` when no learner died (not a learner failure)."""
+    ranks = algo.learner_group.dead_learners(error)
+    if not ranks:
+        raise error
+    who = f"learner {ranks[0]}" if len(ranks) == 1 else "learners " + ", ".join(map(str, ranks))
+    hint = f"continue with `moe-rl train --resume {run_dir}`"
+    if not restore:
+        raise LearnerFailure(f"{who} died ({type(error).__name__}) and restore_on_learner_failure is false; "
+                             f"{hint}")
+    good = latest_good_checkpoint(run_dir)
+    if good is None:
+        raise LearnerFailure(f"{who} died ({type(error).__name__}) before the first good checkpoint; "
+                             "nothing to restore from: start the run again")
+    algo.learner_group = algo.learner_group.rebuild()
+    restore_checkpoint(algo, good)
+    return good, who
+
+
+def continue_ledgers(algo, run_dir: str, iteration: int) -> None:
+    """drift.parquet and alerts.parquet continue from a checkpoint: their rows up to `iteration`
+    are kept and the new rows append to them (the gate's ledger and the anomaly watch of a new
+    process start empty)."""
+    gate = getattr(algo, "sync_gate", None)
+    drift = truncate_table(os.path.join(run_dir, "drift.parquet"), iteration)
+    if gate is not None:
+        gate.rows[:] = drift
+    alerts_path = getattr(algo, "alerts_path", None) or os.path.join(run_dir, "alerts.parquet")
+    if hasattr(algo, "alerts"):
+        algo.alerts[:0] = truncate_table(alerts_path, iteration)

@@ -1,0 +1,58 @@
+"""Greedy evaluation of a run's newest good checkpoint (no Ray cluster needed: the policy loads
+from disk, then steps a local gymnasium env)."""
+from __future__ import annotations
+
+import os
+from typing import List, Tuple
+
+import gymnasium as gym
+import numpy as np
+import torch
+import yaml
+
+import envs  # noqa: F401  registers moe_rl/ envs
+from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy
+from moe_rl.core.errors import ConfigError
+
+
+def _to_tensor(obs):
+    if isinstance(obs, dict):
+        return {k: torch.as_tensor(np.asarray(v))[None] for k, v in obs.items()}
+    return torch.as_tensor(np.asarray(obs, dtype=np.float32))[None]
+
+
+def greedy_action(module, obs, action_space):
+    from ray.rllib.core.columns import Columns
+    with torch.no_grad():
+        logits = module.forward_inference({Columns.OBS: _to_tensor(obs)})[Columns.ACTION_DIST_INPUTS][0]
+    if hasattr(action_space, "n"):
+        return int(logits.argmax())
+    mean = logits[: logits.shape[0] // 2].numpy()
+    return np.clip(mean, action_space.low, action_space.high)
+
+
+def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"RUN_DIR: must be a moe-rl run directory with config.yaml, got {run_dir!r}")
+    if episodes < 1:
+        raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
+    ckpt = latest_good_checkpoint(run_dir)  # verified against its manifest; bad ones are reported
+    if ckpt is None:
+        raise ConfigError(f"RUN_DIR: {run_dir!r} has no good checkpoint under checkpoints/")
+    with open(cfg_path) as f:
+        cfg = yaml.safe_load(f)
+    env = gym.make(cfg["env"], **(cfg.get("env_config") or {}))
+    module = load_policy(ckpt, cfg, env.observation_space, env.action_space)
+    module.eval()
+    returns = []
+    for ep in range(episodes):
+        obs, _ = env.reset(seed=int(cfg.get("seed", 0)) + 10_000 + ep)
+        total, done = 0.0, False
+        while not done:
+            obs, r, term, trunc, _ = env.step(greedy_action(module, obs, env.action_space))
+            total += float(r)
+            done = term or trunc
+        returns.append(total)
+    env.close()
+    return float(np.mean(returns)), returns

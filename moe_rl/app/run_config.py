@@ -1,0 +1,218 @@
+"""Run configuration: YAML + `--set dotted.key=value` overrides -> a validated MoEPPOConfig.
+
+A run config is a plain mapping whose sections are named after the MoEPPOConfig builder methods:
+
+    env: CartPole-v1            # any gymnasium id, incl. moe_rl/MultiTask-v0, moe_rl/TokenSequence-v0
+    env_config: {}
+    seed: 0
+    iterations: 60
+    stop_return: 475            # stop early once the mean episode return reaches this (null: never)
+    checkpoint_every: 10
+    checkpoint_keep: 3          # keep the newest K checkpoints
+    checkpoint_verify_every_s: 7200   # reload-and-compare a checkpoint at most this often (0: every one)
+    restore_on_learner_failure: true  # a dead DeepSpeed learner: rebuild the group, restore the last good one
+    env_runners: {num_env_runners: 1, num_envs_per_env_runner: 8}
+    learners: {num_learners: 0}
+    training: {lr: 0.0003, ...}  # PPOConfig.training keys
+    moe: {num_experts: 8, ...}   # MoEPPOConfig.moe keys (moe_rl.core.settings.MOE_DEFAULTS)
+    stability: {}
+    consistency: {}
+    wandb: {project: moe-rl, mode: offline}   # optional: log every row to Weights & Biases
+
+Everything here fails fast with ConfigError (one line naming the field) before Ray starts.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import os
+from importlib import resources
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
+
+BUILDER_SECTIONS = ("env_runners", "learners", "training")
+TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "stop_return": (int, float, type(None)),
+             "checkpoint_every": int, "output": str, "checkpoint_keep": int,
+             "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool, "wandb": (dict, type(None))}
+RUN_DEFAULTS = {"checkpoint_keep": 3, "checkpoint_verify_every_s": 7200, "restore_on_learner_failure": True}
+SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency")
+
+
+def default_config_path() -> str:
+    return str(resources.files("moe_rl") / "configs" / "cartpole.yaml")
+
+
+def load_run_config(path: Optional[str] = None) -> Dict[str, Any]:
+    path = path or default_config_path()
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"--config: must be a readable YAML file, got {path!r} ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: must be valid YAML, {path!r} is not ({str(e).splitlines()[0]})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"--config: must hold a mapping, got {type(cfg).__name__}")
+    return cfg
+
+
+def apply_overrides(cfg: Dict[str, Any], overrides: List[str]) -> Dict[str, Any]:
+    """`moe.num_experts=16` style overrides; values parse as YAML scalars/lists."""
+    cfg = copy.deepcopy(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set: must be dotted.key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            value = raw
+        parts = key.split(".")
+        node = cfg
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set: {key!r} goes through a non-mapping value")
+        node[parts[-1]] = value
+    return cfg
+
+
+def _builder_params(config, section: str) -> set:
+    """Keyword names a builder accepts, over the class hierarchy (PPOConfig.training forwards
+    **kwargs to AlgorithmConfig.training)."""
+    names = set()
+    for cls in type(config).__mro__:
+        if section in vars(cls):
+            names |= set(inspect.signature(vars(cls)[section]).parameters)
+    return names - {"self", "kwargs"}
+
+
+def validate_run_config(cfg: Dict[str, Any]):
+    """Check every field and return the built (not started) MoEPPOConfig."""
+    from moe_rl.algo.algorithm import MoEPPOConfig  # imports Ray's RLlib modules, but starts nothing
+
+    unknown = sorted(set(cfg) - set(TOP_LEVEL) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key, allowed: {', '.join(sorted(set(TOP_LEVEL) | set(SECTIONS)))}")
+    for key, typ in TOP_LEVEL.items():
+        if key in cfg and (not isinstance(cfg[key], typ) or (isinstance(cfg[key], bool) and typ is not bool)):
+            names = "/".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
+            raise ConfigError(f"{key}: must be of type {names}, got {cfg[key]!r}")
+    for key in ("iterations", "checkpoint_every", "checkpoint_keep"):
+        if key in cfg and cfg[key] < 1:
+            raise ConfigError(f"{key}: must be an int >= 1, got {cfg[key]!r}")
+    verify_s = cfg.get("checkpoint_verify_every_s", 0)
+    if not math.isfinite(verify_s) or verify_s < 0:
+        raise ConfigError(f"checkpoint_verify_every_s: must be a finite number >= 0 (0: every checkpoint), "
+                          f"got {verify_s!r}")
+    if "seed" in cfg and cfg["seed"] < 0:
+        raise ConfigError(f"seed: must be an int >= 0, got {cfg['seed']!r}")
+    if cfg.get("stop_return") is not None and not math.isfinite(cfg["stop_return"]):
+        raise ConfigError(f"stop_return: must be a finite number or null, got {cfg['stop_return']!r}")
+    from moe_rl.app.wandb_logger import validate_wandb
+    validate_wandb(cfg.get("wandb"))
+    env = cfg.get("env")
+    if not env:
+        raise ConfigError("env: must be a gymnasium environment id, got nothing")
+    _check_env(env)
+
+    config = MoEPPOConfig().environment(env, env_config=cfg.get("env_config") or {})
+    for section in SECTIONS:
+        values = cfg.get(section) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: must be a mapping, got {values!r}")
+        if section in BUILDER_SECTIONS:
+            allowed = _builder_params(config, section)
+            bad = sorted(set(values) - allowed)
+            if bad:
+                raise ConfigError(f"{section}.{bad[0]}: unknown key, allowed: {', '.join(sorted(allowed))}")
+            _check_numbers(section, values)
+            getattr(config, section)(**values)
+    config.moe(**(cfg.get("moe") or {}))
+    config.deepspeed(**(cfg.get("deepspeed") or {}))
+    config.stability(**(cfg.get("stability") or {}))
+    config.consistency(**(cfg.get("consistency") or {}))
+    config.debugging(seed=cfg.get("seed", 0))
+    validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
+    resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
+    from moe_rl.core.gate import validate_consistency
+    from moe_rl.core.stability import validate_stability
+    validate_consistency(config.consistency_settings)
+    validate_stability(config.stability_settings)
+    try:
+        config.validate()
+    except ValueError as e:  # RLlib's own checks: keep their message, one line
+        raise ConfigError(str(e).splitlines()[0]) from None
+    return config
+
+
+# Numeric fields whose range RLlib does not check itself (or checks only after Ray starts).
+_POSITIVE = {"training": ("lr", "train_batch_size_per_learner", "minibatch_size", "num_epochs", "clip_param",
+                          "grad_clip"),
+             "env_runners": ("num_envs_per_env_runner", "rollout_fragment_length"),
+             "learners": ()}
+_NON_NEGATIVE = {"training": ("vf_loss_coeff", "entropy_coeff", "kl_coeff", "vf_clip_param"),
+                 "env_runners": ("num_env_runners",), "learners": ("num_learners",)}
+_UNIT = {"training": ("gamma", "lambda_")}
+
+
+def _check_numbers(section: str, values: Dict[str, Any]) -> None:
+    def num(k):
+        v = values[k]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok and not (v == "auto" and k == "rollout_fragment_length") and v is not None:
+            raise ConfigError(f"{section}.{k}: must be a finite number, got {v!r}")
+        return ok
+
+    for k in _POSITIVE.get(section, ()):
+        if k in values and num(k) and values[k] <= 0:
+            raise ConfigError(f"{section}.{k}: must be > 0, got {values[k]!r}")
+    for k in _NON_NEGATIVE.get(section, ()):
+        if k in values and num(k) and values[k] < 0:
+            raise ConfigError(f"{section}.{k}: must be >= 0, got {values[k]!r}")
+    for k in _UNIT.get(section, ()):
+        if k in values and num(k) and not 0 <= values[k] <= 1:
+            raise ConfigError(f"{section}.{k}: must be in [0, 1], got {values[k]!r}")
+
+
+def _check_env(env_id: str) -> None:
+    import gymnasium as gym
+
+    import envs  # noqa: F401  registers the moe_rl/ namespace
+    try:
+        gym.spec(env_id)
+    except Exception:
+        raise ConfigError(f"env: must be a registered gymnasium id (e.g. CartPole-v1, moe_rl/MultiTask-v0), "
+                          f"got {env_id!r}") from None
+
+
+def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
+    """The fully resolved run config written to RUN_DIR/config.yaml."""
+    out = {k: cfg[k] for k in TOP_LEVEL if k in cfg}
+    out.update({k: cfg.get(k, v) for k, v in RUN_DEFAULTS.items()})
+    out["moe"] = dict(config.moe_settings)
+    out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
+    from moe_rl.core.stability import validate_stability
+    out["stability"] = validate_stability(config.stability_settings)
+    from moe_rl.core.gate import validate_consistency
+    out["consistency"] = validate_consistency(config.consistency_settings)
+    for section in BUILDER_SECTIONS:
+        out[section] = {}
+        for k in sorted(_builder_params(config, section)):
+            try:
+                v = getattr(config, k)
+            except Exception:  # deprecated attributes raise on access
+                continue
+            if _plain(v):
+                out[section][k] = v
+    out["ray_address"] = os.environ.get("RAY_ADDRESS")
+    return out
+
+
+def _plain(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (
+        isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in v))

@@ -1,0 +1,138 @@
+"""The run directory: config.yaml, metrics.parquet (columns: moe_rl.algo.results), drift.parquet,
+alerts.parquet, checkpoints/, tb/ (TensorBoard events), mirrored to a storage URI if asked."""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import pyarrow.parquet as pq
+import yaml
+
+from moe_rl.algo.results import atomic_write_bytes, write_table
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+class Mirror:
+    """Copies a local run directory to a pyarrow filesystem URI (s3://, gs://, hdfs://, file://...)
+    incrementally: files whose size or mtime changed go up, files deleted locally (pruned
+    checkpoints) are deleted there. The run writes locally (atomic renames, Parquet, DeepSpeed) and
+    the storage path is a copy that trails it by at most one iteration."""
+
+    def __init__(self, uri: str):
+        from pyarrow import fs
+        try:
+            self.fs, self.root = fs.FileSystem.from_uri(uri)
+            self.fs.create_dir(self.root, recursive=True)
+        except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError
+            raise OSError(f"output: cannot use the storage URI {uri!r}: {str(e).splitlines()[0]}") from None
+        self.uri = uri
+        self._sent: Dict[str, tuple] = {}
+
+    def sync(self, local_root: str) -> None:
+        from pyarrow import fs
+        seen = set()
+        for dirpath, dirnames, filenames in os.walk(local_root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".tmp-")]   # unfinished checkpoints
+            for name in filenames:
+                if name.startswith(".tmp-"):
+                    continue
+                local = os.path.join(dirpath, name)
+                rel = os.path.relpath(local, local_root).replace(os.sep, "/")
+                st = os.stat(local)
+                seen.add(rel)
+                if self._sent.get(rel) == (st.st_size, st.st_mtime_ns):
+                    continue
+                target = f"{self.root}/{rel}"
+                self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+                fs.copy_files(local, target, destination_filesystem=self.fs)
+                self._sent[rel] = (st.st_size, st.st_mtime_ns)
+        gone = sorted(set(self._sent) - seen)
+        for rel in gone:
+            self.fs.delete_file(f"{self.root}/{rel}")
+            del self._sent[rel]
+        # A pruned (or quarantined) checkpoint goes as a whole directory, not as empty folders.
+        for top in sorted({"/".join(rel.split("/")[:2]) for rel in gone if rel.startswith("checkpoints/")}):
+            if not os.path.exists(os.path.join(local_root, top)):
+                self.fs.delete_dir(f"{self.root}/{top}")
+
+
+class RunDir:
+    """Owns one run directory. Created up front so an unwritable output fails before training.
+
+    `path` may be a pyarrow filesystem URI: the run then writes to a local staging directory
+    (`staging`, default a new temporary directory) and `sync()` mirrors it to the URI."""
+
+    def __init__(self, path: str, resolved_config: Dict[str, Any], staging: Optional[str] = None):
+        self.mirror = None
+        if is_uri(path):
+            self.mirror = Mirror(path)
+            path = staging or tempfile.mkdtemp(prefix="moe-rl-run-")
+        self.path = os.path.abspath(path)
+        try:
+            os.makedirs(os.path.join(self.path, "checkpoints"), exist_ok=True)
+            atomic_write_bytes(os.path.join(self.path, "config.yaml"),
+                               yaml.safe_dump(resolved_config, sort_keys=False).encode())
+        except OSError as e:
+            raise OSError(f"output: cannot write the run directory {self.path!r}: {e.strerror}") from None
+        self.rows: List[Dict[str, Any]] = []
+        self.resolved_config = resolved_config
+        self._tb = None
+
+    @property
+    def checkpoints(self) -> str:
+        return os.path.join(self.path, "checkpoints")
+
+    @property
+    def location(self) -> str:
+        """Where the run lands: the storage URI, or the local directory."""
+        return self.mirror.uri if self.mirror else self.path
+
+    def sync(self) -> None:
+        if self.mirror is not None:
+            self.mirror.sync(self.path)
+
+    def log(self, row: Dict[str, Any]) -> None:
+        self.rows.append(row)
+        write_table(os.path.join(self.path, "metrics.parquet"), self.rows)
+        self._tensorboard(row)
+
+    def amend_last(self, extra: Dict[str, Any]) -> None:
+        """Add figures known only after the row was logged (checkpoint verification)."""
+        if extra and self.rows:
+            self.rows[-1].update(extra)
+            write_table(os.path.join(self.path, "metrics.parquet"), self.rows)
+            self._tensorboard({"iteration": self.rows[-1]["iteration"], **extra})
+
+    def continue_from(self, iteration: int) -> None:
+        """Continue metrics.parquet from a checkpoint: rows after `iteration` are dropped (they are
+        trained again), so the table never holds an iteration twice."""
+        self.rows = truncate_table(os.path.join(self.path, "metrics.parquet"), iteration, self.rows or None)
+
+    def _tensorboard(self, row: Dict[str, Any]) -> None:
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(self.path, "tb"))
+        step = row["iteration"]
+        for k, v in row.items():
+            if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self._tb.add_scalar(k, v, step)
+        self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def truncate_table(path: str, iteration: int, rows: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+    """The rows of a per-iteration table (`rows`, or read from `path`) up to `iteration`, rewritten."""
+    if rows is None:
+        rows = pq.read_table(path).to_pylist() if os.path.isfile(path) else []
+    rows = [r for r in rows if r.get("iteration") is not None and r["iteration"] <= iteration]
+    if rows or os.path.isfile(path):
+        write_table(path, rows)
+    return rows

@@ -1,0 +1,145 @@
+"""Anomaly detection over the iteration metrics (pure python).
+
+A rolling window (default 100 iterations) per metric. Three kinds of check:
+  - spike / drop: the latest *change* of a metric against the window's changes (robust z-score,
+    median and MAD). Changes, not levels, so a metric that grows smoothly (a learning curve, a
+    value loss that follows the return) stays quiet while a sudden jump does not.
+  - breach: the health tables, with bands that fit the run — normalised router entropy out of
+    band, active experts below min(0.8 N, N - 1) (one idle expert of four is not a collapse), CV
+    above 1, the pre-clip gradient norm outside `grad_norm_band` times this run's own median (RL
+    value losses put absolute norms anywhere), new non-finite (skipped) steps — and routing
+    oscillation (the margin-aware probe-set flip rate). Breaches are judged only after
+    `health_warmup` iterations (the run's own history says nothing before), and alert when they
+    start, not on every iteration they last.
+  - memory: an actor's RSS growing by more than `rss_growth_mb` over the window (leak watch).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import deque
+from typing import Any, Deque, Dict, List
+
+# metric -> (which direction is an anomaly, smallest change that can be one). The floors keep
+# float noise quiet: a K3 or |dlogp| moving by 1e-7 is rounding, whatever its z-score.
+WATCHED = {"episode_return_mean": ("drop", 0.0), "policy_loss": ("spike", 0.0), "vf_loss": ("spike", 0.0),
+           "mean_kl_loss": ("spike", 0.0), "aux_loss": ("spike", 0.0), "z_loss": ("spike", 0.0),
+           "stability/grad_norm/total": ("spike", 0.0), "drift/k3": ("spike", 1e-3),
+           "drift/max_abs_logp_diff": ("spike", 1e-3), "moe/cv": ("spike", 0.05)}
+RSS_KEY = re.compile(r"(^|/)rss_mb(/|$)")
+
+
+def rss_mb() -> float:
+    """This process's resident set size now (not the peak: a leak shows as growth)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _median(xs: List[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+class AnomalyDetector:
+    def __init__(self, settings: Dict[str, Any], num_experts: int, top_k: int = 1):
+        self.s, self.num_experts, self.top_k = settings, num_experts, top_k
+        self.window = settings["anomaly_window"]
+        self._last: Dict[str, float] = {}
+        self._changes: Dict[str, Deque[float]] = {}
+        self._rss: Dict[str, Deque[float]] = {}
+        self._breached: Dict[str, bool] = {}
+        self._grad_norms: Deque[float] = deque(maxlen=self.window)
+        self._last_skipped = 0.0
+        self._seen = 0
+
+    def observe(self, row: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """Feed one iteration's metrics row; returns the new alerts (dicts with iteration, metric,
+        kind, value, message)."""
+        it = int(row.get("iteration", 0))
+        alerts: List[Dict[str, Any]] = []
+
+        def alert(metric, kind, value, message):
+            alerts.append({"iteration": it, "metric": metric, "kind": kind, "value": float(value),
+                           "message": message})
+
+        for key, (direction, floor) in WATCHED.items():
+            v = row.get(key)
+            if _finite(v):
+                self._check_change(key, direction, floor, float(v), alert)
+        s, n = self.s, self.num_experts
+        self._seen += 1
+        lo, hi = s["entropy_band"]
+        gl, gh = s["grad_norm_band"]
+        active_min = min(0.8 * n, n - 1)
+        grad = row.get("stability/grad_norm/total")
+        median = _median(list(self._grad_norms)) if self._grad_norms else None
+        skipped = row.get("stability/skipped_steps")
+        breaches = {
+            "moe/router_entropy_norm": (lambda v: not lo <= v <= hi, f"outside [{lo}, {hi}]", "breach"),
+            "moe/active_experts": (lambda v: v < active_min, f"below min(0.8 N, N - 1) = {active_min:g}", "breach"),
+            "moe/cv": (lambda v: v > 1.0, "above 1.0 (danger)", "breach"),
+            "stability/grad_norm/total": (
+                lambda v: median is not None and not gl * median <= v <= gh * median,
+                f"outside [{gl}, {gh}] x this run's median {median or 0:.3g}", "breach"),
+            "stability/skipped_steps": (lambda v: v > self._last_skipped, "non-finite gradients: steps skipped",
+                                        "breach"),
+            "drift/probe_flip_rate": (lambda v: v > s["flip_rate_max"], f"above {s['flip_rate_max']}",
+                                      "oscillation"),
+        }
+        judged = self._seen > s["health_warmup"]
+        for key, (bad, what, kind) in breaches.items():
+            v = row.get(key)
+            if not _finite(v):
+                continue
+            now = judged and bool(bad(float(v)))
+            if now and not self._breached.get(key, False):
+                alert(key, kind, v, f"{key}={float(v):.4g} {what}")
+            self._breached[key] = now
+        if _finite(grad):
+            self._grad_norms.append(float(grad))
+        if _finite(skipped):
+            self._last_skipped = float(skipped)
+        for key, v in row.items():
+            if RSS_KEY.search(key) and _finite(v):
+                self._check_rss(key, float(v), alert)
+        return alerts
+
+    def _check_change(self, key, direction, floor, v, alert) -> None:
+        last = self._last.get(key)
+        self._last[key] = v
+        if last is None:
+            return
+        change = v - last
+        hist = self._changes.setdefault(key, deque(maxlen=self.window))
+        if len(hist) >= self.s["anomaly_min_history"]:
+            med = _median(list(hist))
+            mad = _median([abs(c - med) for c in hist])
+            # A floor on the scale: a perfectly flat history must not turn rounding noise into alerts.
+            scale = max(1.4826 * mad, 1e-3 * max(abs(last), 1e-6), 1e-12)
+            z = (change - med) / scale
+            if abs(change) <= floor:
+                pass
+            elif direction == "spike" and z > self.s["anomaly_z"]:
+                alert(key, "spike", v, f"{key} jumped {last:.4g} -> {v:.4g} (z={z:.1f})")
+            elif direction == "drop" and z < -self.s["anomaly_z"]:
+                alert(key, "drop", v, f"{key} fell {last:.4g} -> {v:.4g} (z={z:.1f})")
+        hist.append(change)
+
+    def _check_rss(self, key, v, alert) -> None:
+        hist = self._rss.setdefault(key, deque(maxlen=self.window))
+        hist.append(v)
+        growth = v - min(hist)
+        grown = len(hist) >= self.s["anomaly_min_history"] and growth > self.s["rss_growth_mb"]
+        if grown and not self._breached.get(key, False):
+            alert(key, "memory", v, f"{key} grew {growth:.0f} MB over the last {len(hist)} iterations")
+        self._breached[key] = grown

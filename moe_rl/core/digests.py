@@ -1,0 +1,67 @@
+"""Per-tensor digests, computed where the weights live (pure torch).
+
+The consistency checks compare digests, never whole models gathered in one process: a learner
+digests its own shard, a rollout actor its own copy, and only the small digests travel.
+
+A digest is (sum, sum of squares, max |w|, hash of the bytes). The sums are taken in fp64 of
+the tensor as stored. The hash is exact: the rollout copy must equal the synced weights *cast to
+the rollout copy's dtype* bit for bit (a bf16 copy rounds each fp32 weight the same way every
+time), so the expected digest is taken of the synced tensor cast to that dtype.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+
+Digest = Tuple[float, float, float, str]
+DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def as_tensor(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return torch.from_numpy(np.ascontiguousarray(value))
+
+
+def tensor_digest(value, dtype: Optional[torch.dtype] = None) -> Digest:
+    """(sum, sum of squares, max |w|, blake2b-128 of the bytes) of `value` cast to `dtype`."""
+    t = as_tensor(value)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    t = t.contiguous().reshape(-1)
+    h = hashlib.blake2b(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", digest_size=16)
+    h.update(f"{t.dtype}".encode())
+    if not t.numel():
+        return 0.0, 0.0, 0.0, h.hexdigest()
+    d = t.double()
+    return float(d.sum()), float(d.pow(2).sum()), float(d.abs().max()), h.hexdigest()
+
+
+def state_digests(state: Mapping[str, object], dtypes: Optional[Mapping[str, str]] = None) -> Dict[str, Digest]:
+    """{name: digest} of a state dict; `dtypes` (name -> dtype name) casts before digesting."""
+    dtypes = dtypes or {}
+    return {k: tensor_digest(v, DTYPES.get(dtypes.get(k, ""), None)) for k, v in state.items()}
+
+
+def state_dtypes(state: Mapping[str, torch.Tensor]) -> Dict[str, str]:
+    return {k: str(v.dtype) for k, v in state.items()}
+
+
+def differing(expected: Mapping[str, Digest], actual: Mapping[str, Digest]) -> List[str]:
+    """Names whose bytes differ, or that exist on one side only (sorted)."""
+    names = set(expected) | set(actual)
+    return sorted(n for n in names if n not in expected or n not in actual or expected[n][3] != actual[n][3])
+
+
+def max_abs_diff(a, b) -> float:
+    """max |a - b| in fp64 (inf for a shape mismatch, nan propagates as inf)."""
+    ta, tb = as_tensor(a).double(), as_tensor(b).double()
+    if ta.shape != tb.shape:
+        return float("inf")
+    if not ta.numel():
+        return 0.0
+    return float(torch.nan_to_num((ta - tb).abs(), nan=float("inf")).max())

@@ -1,0 +1,272 @@
+"""The sync gate: what a consistency check saw -> causes -> actions (pure python).
+
+Each check separates what it sees into causes, and each cause has its own action:
+
+| cause              | what                                               | action                                 |
+| mismatch           | rollout copy vs trainer at the *same* weights:     | report (the corrections act on it:     |
+|                    | K3, max |d logp|, routing agreement (absolute)     | IS/RS/R3); never stalls training       |
+| corrupt_copy       | a rollout actor's copy is not the bytes it was     | repair: re-send the synced weights and |
+|                    | sent (digest mismatch)                             | verify; stop if a repair fails twice   |
+| bad_update         | candidate weights non-finite, or update size /     | per consistency.policy: warn (sync and |
+|                    | KL old->new / probe flips far above this run's     | record), hold, rollback; non-finite    |
+|                    | own recent history                                 | weights always roll back               |
+| replica_divergence | learners that hold the same tensor disagree        | resync: every learner takes the        |
+|                    |                                                    | publishing learner's copy              |
+
+Lag (learners ahead of the rollouts, e.g. during a hold) is reported as `lag_versions` and
+`lag_k3`, never as mismatch. Update-sized signals are judged against the run's own history
+(`RelativeLimit`: rolling median and MAD of the accepted values, after a warm-up), so a healthy
+run never trips them; only hard faults (non-finite weights, corrupted copies) are absolute.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from moe_rl.core.errors import ConfigError, need
+
+POLICIES = ("warn", "hold", "rollback")
+DECISIONS = ("sync", "warn", "hold", "rollback", "stop")
+CAUSES = ("mismatch", "corrupt_copy", "bad_update", "replica_divergence")
+
+# Same-weights mismatch: absolute limits (metric -> ("max" | "min", default)).
+MISMATCH_LIMITS = {
+    "k3": ("max", 1e-3),
+    "max_abs_logp_diff": ("max", 0.5),
+    "routing_agreement": ("min", 0.95),
+}
+# Update-sized signals, judged relative to the run's history. A candidate L updates ahead of the
+# last good weights (a hold) is compared with the limit x L^exponent: an update size adds up at
+# most linearly over L updates, a KL about quadratically.
+UPDATE_SIGNALS = {"update_size": 1, "k3_old_new": 2, "probe_flip_rate": 1}
+# The smallest scale each relative limit uses (the limit is at least median + z x floor): a history
+# of near-identical values must not make the next ordinary one a breach. A PPO update moves the
+# policy by a KL of ~0.01 and the weights by a few percent; a harmful one by orders of magnitude.
+SIGNAL_FLOORS = {"update_size": 0.01, "k3_old_new": 0.01, "probe_flip_rate": 0.02}
+
+CONSISTENCY_DEFAULTS: Dict[str, Any] = {
+    "enabled": True,
+    "every": 1,               # check before every K-th weight sync (every iteration while holding)
+    "policy": "warn",         # what a bad update does: warn | hold | rollback
+    "thresholds": {},         # absolute overrides: k3, max_abs_logp_diff, routing_agreement (mismatch),
+                              # update_size, k3_old_new, probe_flip_rate (absolute caps, off by default)
+    "relative_z": 8.0,        # bad update: value > median + z * scale of the run's accepted values
+    "relative_warmup": 5,     # checks before the relative limits apply
+    "relative_window": 50,    # accepted values kept per signal
+    "flip_margin": 0.05,      # probe flips count only where the old top-k margin (logits) exceeds it
+    "max_holds": 3,           # consecutive holds before escalating to rollback
+    "max_rollbacks": 3,       # consecutive rollbacks before the run stops (resumable)
+    "rollback_lr_scale": 0.5, # the retry after a rollback runs at this LR scale (compounding)
+    "sample_size": 512,       # rollout steps per check given to the trainer-side forward
+    "probe_size": 256,        # fixed probe observations kept for the whole run
+    "position_bins": [8, 16, 32, 64, 128, 256, 512, 1024],
+    "ledger_path": None,      # RUN_DIR/drift.parquet (the CLI sets it)
+    "tis_cap": None,          # shorthand for correction: {is: token, is_threshold: C}
+}
+ABSOLUTE_KEYS = tuple(MISMATCH_LIMITS) + tuple(UPDATE_SIGNALS)
+
+
+def validate_consistency(c: dict) -> dict:
+    unknown = sorted(set(c) - set(CONSISTENCY_DEFAULTS))
+    if unknown:
+        raise ConfigError(f"consistency.{unknown[0]}: unknown key, allowed: {', '.join(sorted(CONSISTENCY_DEFAULTS))}")
+    c = {**CONSISTENCY_DEFAULTS, **c}
+
+    def num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def whole(v, low):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    need(isinstance(c["enabled"], bool), "consistency.enabled", "true or false", c["enabled"])
+    need(whole(c["every"], 1), "consistency.every", "an int >= 1", c["every"])
+    need(c["policy"] in POLICIES, "consistency.policy", f"one of {POLICIES}", c["policy"])
+    need(isinstance(c["thresholds"], dict), "consistency.thresholds", "a mapping", c["thresholds"])
+    for k, v in c["thresholds"].items():
+        need(k in ABSOLUTE_KEYS, f"consistency.thresholds.{k}", f"one of {sorted(ABSOLUTE_KEYS)}", k)
+        ok = num(v) and v >= 0 and (v <= 1 if k in ("routing_agreement", "probe_flip_rate") else True)
+        need(ok, f"consistency.thresholds.{k}", "a finite number >= 0 (<= 1 for rates and agreements)", v)
+    need(num(c["relative_z"]) and c["relative_z"] > 0, "consistency.relative_z", "a number > 0", c["relative_z"])
+    need(whole(c["relative_warmup"], 1), "consistency.relative_warmup", "an int >= 1", c["relative_warmup"])
+    need(whole(c["relative_window"], 2), "consistency.relative_window", "an int >= 2", c["relative_window"])
+    need(num(c["flip_margin"]) and c["flip_margin"] >= 0, "consistency.flip_margin", "a number >= 0",
+         c["flip_margin"])
+    for f in ("max_holds", "max_rollbacks"):
+        need(whole(c[f], 1), f"consistency.{f}", "an int >= 1", c[f])
+    need(num(c["rollback_lr_scale"]) and 0 < c["rollback_lr_scale"] <= 1, "consistency.rollback_lr_scale",
+         "a number in (0, 1]", c["rollback_lr_scale"])
+    for f in ("sample_size", "probe_size"):
+        need(whole(c[f], 1), f"consistency.{f}", "an int >= 1", c[f])
+    bins = c["position_bins"]
+    need(isinstance(bins, (list, tuple)) and bins and all(whole(b, 1) for b in bins) and list(bins) == sorted(bins),
+         "consistency.position_bins", "an ascending list of ints >= 1", bins)
+    need(c["ledger_path"] is None or isinstance(c["ledger_path"], str), "consistency.ledger_path",
+         "null or a file path", c["ledger_path"])
+    need(c["tis_cap"] is None or (num(c["tis_cap"]) and c["tis_cap"] >= 1), "consistency.tis_cap",
+         "None or a number >= 1", c["tis_cap"])
+    return c
+
+
+def mismatch_limits(overrides: Optional[dict] = None) -> Dict[str, Tuple[str, float]]:
+    out = dict(MISMATCH_LIMITS)
+    for k, v in (overrides or {}).items():
+        if k in out:
+            out[k] = (out[k][0], float(v))
+    return out
+
+
+def breaches(metrics: Dict[str, float], limits: Dict[str, Tuple[str, float]]) -> List[Tuple[str, float, float]]:
+    """[(metric, value, threshold)] for every metric present and outside its limit."""
+    out = []
+    for k, (kind, thr) in limits.items():
+        v = metrics.get(k)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        if (kind == "max" and v > thr) or (kind == "min" and v < thr):
+            out.append((k, float(v), thr))
+    return out
+
+
+class RelativeLimit:
+    """A limit from the run's own history: median + z * max(1.4826 MAD, 0.5 |median|, floor) of the
+    last `window` accepted values; None during the first `warmup` values. Only accepted (passing)
+    values enter the history, so a fault never raises its own bar."""
+
+    MEDIAN_SHARE = 0.5   # the scale is at least half the median: a steady history is no hair trigger
+
+    def __init__(self, z: float, warmup: int, window: int, floor: float = 1e-12):
+        self.z, self.warmup, self.floor = z, warmup, floor
+        self.values: Deque[float] = deque(maxlen=window)
+
+    def limit(self) -> Optional[float]:
+        if len(self.values) < self.warmup:
+            return None
+        xs = sorted(self.values)
+        n = len(xs)
+        med = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+        mad = sorted(abs(x - med) for x in xs)[n // 2]
+        return med + self.z * max(1.4826 * mad, self.MEDIAN_SHARE * abs(med), self.floor)
+
+    def accept(self, value: float) -> None:
+        if math.isfinite(value):
+            self.values.append(float(value))
+
+
+@dataclass
+class Verdict:
+    decision: str                       # sync | warn | hold | rollback | stop
+    causes: List[str] = field(default_factory=list)
+    actions: List[str] = field(default_factory=list)
+    reasons: List[str] = field(default_factory=list)   # one line per cause: metric, value, threshold
+    lr_scale: float = 1.0               # for the next update (a rollback's retry runs slower)
+    reason: str = ""                    # the reasons, one line
+
+    def __post_init__(self):
+        self.reason = "; ".join(self.reasons)
+
+
+class GateState:
+    """Counters and the relative limits of one run (checkpointed with the run)."""
+
+    def __init__(self, settings: Dict[str, Any]):
+        self.s = settings
+        self.absolute = {k: float(v) for k, v in settings["thresholds"].items() if k in UPDATE_SIGNALS}
+        self.limits: Dict[str, RelativeLimit] = {}
+        self.holds_in_a_row = 0
+        self.rollbacks_in_a_row = 0
+        self.counts = {"repairs": 0, "resyncs": 0, "holds": 0, "rollbacks": 0, "mismatch_reports": 0}
+
+    def _limit(self, key: str) -> RelativeLimit:
+        if key not in self.limits:
+            self.limits[key] = RelativeLimit(self.s["relative_z"], self.s["relative_warmup"], self.s["relative_window"],
+                                             SIGNAL_FLOORS[self.signal(key)])
+        return self.limits[key]
+
+    @staticmethod
+    def signal(key: str) -> Optional[str]:
+        """The update signal a row key measures ("module|update_size/router" -> "update_size")."""
+        base = key.rsplit("|", 1)[-1].split("/", 1)[0]
+        return base if base in UPDATE_SIGNALS else None
+
+    def update_breaches(self, row: Dict[str, Any], lag: int) -> List[Tuple[str, float, float]]:
+        """Update-sized signals of a candidate `lag` updates past the last good weights that are
+        above this run's own limits (or an absolute cap, when one is set)."""
+        out = []
+        for key, value in row.items():
+            sig = self.signal(key)
+            if sig is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            scale = max(lag, 1) ** UPDATE_SIGNALS[sig]
+            limit = self._limit(key).limit()
+            if limit is not None and value > limit * scale:
+                out.append((key, float(value), limit * scale))
+            elif sig in self.absolute and value > self.absolute[sig]:
+                out.append((key, float(value), self.absolute[sig]))
+        return out
+
+    def accept(self, row: Dict[str, Any], lag: int) -> None:
+        """A candidate passed: its per-update values join the history."""
+        for key, value in row.items():
+            sig = self.signal(key)
+            if sig is not None and isinstance(value, (int, float)):
+                self._limit(key).accept(value / max(lag, 1) ** UPDATE_SIGNALS[sig])
+
+    def decide(self, *, finite: bool, bad_update: List[Tuple[str, float, float]],
+               mismatch: List[Tuple[str, float, float]], corrupt: List[str], replicas: List[str]) -> Verdict:
+        policy = self.s["policy"]
+        v = Verdict("sync")
+        if mismatch:
+            v.causes.append("mismatch")
+            v.actions.append("report")
+            v.reasons.append("mismatch " + _fmt(mismatch))
+            self.counts["mismatch_reports"] += 1
+        if corrupt:
+            v.causes.append("corrupt_copy")
+            v.actions.append("repair")
+            v.reasons.append("corrupt rollout copy: " + "; ".join(corrupt[:3]))
+        if replicas:
+            v.causes.append("replica_divergence")
+            v.actions.append("resync")
+            v.reasons.append("replica divergence: " + "; ".join(replicas[:3]))
+        if not finite or bad_update:
+            v.causes.append("bad_update")
+            v.reasons.append("bad update " + ("candidate weights are not finite" if not finite else _fmt(bad_update)))
+            if not finite:
+                v.decision = "rollback"             # nothing can train on from NaN weights
+            elif policy == "warn":
+                v.decision = "warn"
+            elif policy == "hold" and self.holds_in_a_row < self.s["max_holds"]:
+                v.decision = "hold"
+            else:
+                v.decision = "rollback"             # policy rollback, or a hold that did not clear
+            if v.decision == "rollback" and self.rollbacks_in_a_row >= self.s["max_rollbacks"]:
+                v.decision = "stop"
+            v.actions.append(v.decision)
+        # Streaks end only at a candidate that passes: hold, hold, rollback, hold, ... counts the
+        # rollbacks since the last good sync, so a run that keeps producing bad updates stops.
+        passed = v.decision in ("sync", "warn")
+        self.holds_in_a_row = self.holds_in_a_row + 1 if v.decision == "hold" else 0
+        self.rollbacks_in_a_row = 0 if passed else self.rollbacks_in_a_row + (v.decision == "rollback")
+        for d in ("hold", "rollback"):
+            self.counts[d + "s"] += v.decision == d
+        v.lr_scale = self.s["rollback_lr_scale"] ** self.rollbacks_in_a_row
+        v.reason = "; ".join(v.reasons)
+        return v
+
+    def get_state(self) -> Dict[str, Any]:
+        return {"limits": {k: list(l.values) for k, l in self.limits.items()}, "holds_in_a_row": self.holds_in_a_row,
+                "rollbacks_in_a_row": self.rollbacks_in_a_row, "counts": dict(self.counts)}
+
+    def set_state(self, state: Dict[str, Any]) -> None:
+        for k, values in state.get("limits", {}).items():
+            for x in values:
+                self._limit(k).accept(x)
+        self.holds_in_a_row = int(state.get("holds_in_a_row", 0))
+        self.rollbacks_in_a_row = int(state.get("rollbacks_in_a_row", 0))
+        self.counts.update(state.get("counts", {}))
+
+
+def _fmt(found: List[Tuple[str, float, float]]) -> str:
+    return ", ".join(f"{k}={v:.4g} (threshold={t:.4g})" for k, v, t in found)

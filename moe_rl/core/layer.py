@@ -1,0 +1,120 @@
+"""The Mixture-of-Experts layer (pure torch: no Ray, no DeepSpeed).
+
+Shapes use T = tokens (flattened batch), d = model width, N = experts, k = top-k, F = expert hidden.
+
+    layer = MoELayer(d_model=64, num_experts=8, top_k=2)
+    y, routing = layer(x)                         # x: [T, d] (or [..., d]) -> y like x
+    y2, _ = layer(x, replay_indices=routing.encoded_top_k())   # R3 routing replay
+
+The routing record carries what losses, health metrics, drift checks and routing replay need.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from moe_rl.core.errors import need
+from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS, Experts
+from moe_rl.core.routers import build_router
+from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, queue_positions
+
+# "auto" dispatch (bench/bench_moe_layer.py): without autograd (rollouts), gather the chosen experts'
+# weights from a cached stack and run one bmm pair while the gathered weights stay small; with
+# autograd, a per-assignment loop for a handful of assignments, else sort-by-expert.
+TINY_BATCH_ASSIGNMENTS = 4
+BATCHED_MAX_ELEMENTS = 1 << 16   # T*k*d*F: gathered-weight elements the batched path may copy
+
+
+class MoELayer(nn.Module):
+    """Top-k routed feed-forward layer.
+
+    Args:
+        d_model: input/output width d.  num_experts: N >= 1.  top_k: 1 <= k <= N.
+        d_ff: expert hidden width F (default 4d).  router: one of moe_rl.core.routers.ROUTERS.
+        temperature: finite > 0, divides router logits.  router_init: normal|uniform|torch.
+        shared_expert: add an always-on dense expert (residual across experts).
+        expert_dropout: p in [0, 1): drop whole (token, expert) contributions in training.
+        capacity_factor: None = dropless; else > 0 and each expert takes at most
+            ceil(cf * T * k / N) assignments (later tokens over the limit are dropped). The limit
+            depends on the batch, so a rollout's drops are recorded and replayed in training.
+        dispatch: auto|sorted|batched|gather|dense (moe_rl.core.experts).
+    forward(x [..., d], replay_indices [T, k] | None, task_ids [...] | None, explore) -> (y [..., d], RoutingRecord)
+        replay_indices: a recorded top-k (RoutingRecord.encoded_top_k: dropped assignments negative)
+        to dispatch instead of the router's own choice; explore: let a sampling router sample.
+    """
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int = 2, d_ff: Optional[int] = None, *,
+                 router: str = "topk", temperature: float = 1.0, router_init: str = "normal",
+                 router_init_std: Optional[float] = None, shared_expert: bool = False,
+                 expert_dropout: float = 0.0, capacity_factor: Optional[float] = None,
+                 dispatch: str = "auto", activation: str = "gelu", normalize_gates: bool = True,
+                 router_kwargs: Optional[dict] = None):
+        super().__init__()
+        need(isinstance(d_model, int) and d_model >= 1, "d_model", "an int >= 1", d_model)
+        need(isinstance(num_experts, int) and num_experts >= 1, "num_experts", "an int >= 1", num_experts)
+        need(isinstance(top_k, int) and 1 <= top_k <= num_experts, "top_k",
+             f"an int in [1, num_experts={num_experts}]", top_k)
+        need(isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0,
+             "temperature", "a finite number > 0", temperature)
+        need(capacity_factor is None or (isinstance(capacity_factor, (int, float))
+                                         and math.isfinite(capacity_factor) and capacity_factor > 0),
+             "capacity_factor", "None (dropless) or a finite number > 0", capacity_factor)
+        need(isinstance(expert_dropout, (int, float)) and 0.0 <= expert_dropout < 1.0,
+             "expert_dropout", "a number in [0, 1)", expert_dropout)
+        need(dispatch in DISPATCH_PATHS, "dispatch", f"one of {DISPATCH_PATHS}", dispatch)
+        d_ff = d_ff or 4 * d_model
+        need(isinstance(d_ff, int) and d_ff >= 1, "d_ff", "an int >= 1", d_ff)
+        self.d_model, self.num_experts, self.top_k, self.d_ff = d_model, num_experts, top_k, d_ff
+        self.capacity_factor, self.expert_dropout, self.dispatch = capacity_factor, expert_dropout, dispatch
+        self.router = build_router(router, d_model, num_experts, top_k, temperature=temperature,
+                                   init=router_init, init_std=router_init_std,
+                                   normalize_gates=normalize_gates, **(router_kwargs or {}))
+        self.experts = Experts(num_experts, d_model, d_ff, activation)
+        self.shared_expert = (nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
+                              if shared_expert else None)
+
+    def dispatch_path(self, num_assignments: int) -> str:
+        if self.dispatch != "auto":
+            return self.dispatch
+        if not torch.is_grad_enabled() and num_assignments * self.d_model * self.d_ff <= BATCHED_MAX_ELEMENTS:
+            return "batched"
+        return "gather" if num_assignments <= TINY_BATCH_ASSIGNMENTS else "sorted"
+
+    def forward(self, x: torch.Tensor, replay_indices: Optional[torch.Tensor] = None,
+                task_ids: Optional[torch.Tensor] = None, explore: bool = False):
+        need(x.shape[-1] == self.d_model, "x", f"a tensor of width d_model={self.d_model}", tuple(x.shape))
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.d_model)
+        replay, replay_dropped = (None, None) if replay_indices is None else decode_top_k(replay_indices)
+        rec = self.router(flat, replay_indices=replay, task_ids=task_ids, explore=explore)
+        weights = rec.gate_weights
+        if replay_dropped is not None:          # the rollout's own capacity drops, replayed
+            rec.dropped = replay_dropped
+        elif self.capacity_factor is not None and replay is None:
+            cap = capacity(self.capacity_factor, flat.shape[0], self.top_k, self.num_experts)
+            rec.dropped = queue_positions(rec.top_k_indices, self.num_experts) >= cap
+        if rec.dropped is not None:
+            weights = weights.masked_fill(rec.dropped, 0.0)
+        if self.training:
+            weights = expert_dropout(weights, self.expert_dropout)
+        if flat.shape[0] == 0:
+            y = torch.zeros_like(flat)
+        else:
+            path = self.dispatch_path(rec.top_k_indices.numel())
+            y = getattr(self.experts, f"{path}_dispatch")(flat, rec.top_k_indices, weights)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(flat)
+        return y.reshape(*lead, self.d_model), rec
+
+
+def dense_ffn_equal_active(d_model: int, d_ff: int, top_k: int, activation: str = "gelu") -> nn.Module:
+    """The dense peer with the same *active* parameters as an MoE layer (k experts of width F)."""
+    return nn.Sequential(nn.Linear(d_model, top_k * d_ff),
+                         {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh}[activation](),
+                         nn.Linear(top_k * d_ff, d_model))
+
+
+__all__ = ["MoELayer", "dense_ffn_equal_active", "ACTIVATIONS", "DISPATCH_PATHS"]

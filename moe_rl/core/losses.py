@@ -1,0 +1,47 @@
+"""Router losses (pure torch). Shapes: T tokens, N experts, k slots per token."""
+from __future__ import annotations
+
+import torch
+
+from moe_rl.core.routing import RoutingRecord
+
+
+def load_balancing_loss(router_probs: torch.Tensor, top_k_indices: torch.Tensor) -> torch.Tensor:
+    """Switch-Transformer balance loss N * sum_i f_i * P_i.
+
+    router_probs: [T, N] softmax probabilities; top_k_indices: [T, k].
+    f_i = share of the T*k assignments that went to expert i (no gradient: counts are discrete);
+    P_i = mean router probability of expert i. Perfectly uniform routing gives 1.0.
+    """
+    n = router_probs.shape[-1]
+    counts = torch.bincount(top_k_indices.reshape(-1), minlength=n).to(router_probs.dtype)
+    f = (counts / counts.sum().clamp_min(1)).detach()
+    return n * (f * router_probs.mean(dim=0)).sum()
+
+
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss mean(logsumexp(logits)^2): keeps logits small so fp32/bf16 softmaxes agree."""
+    return torch.logsumexp(router_logits.float(), dim=-1).pow(2).mean()
+
+
+def reinforce_router_loss(record: RoutingRecord, reward: torch.Tensor) -> torch.Tensor:
+    """Policy-gradient loss for a ReinforceRouter: -(R - b)·log p(selection) + (R - b)^2.
+
+    reward: [T] per-token signal (e.g. the PPO advantage). The baseline is trained by regression;
+    the router's advantage uses the detached baseline.
+    """
+    if record.selection_logp is None or record.baseline is None:
+        raise ValueError("record: reinforce_router_loss needs a record from the 'reinforce' router")
+    reward = reward.reshape(-1).to(record.baseline.dtype)
+    adv = (reward - record.baseline).detach()
+    return -(adv * record.selection_logp).mean() + (reward - record.baseline).pow(2).mean()
+
+
+def moe_aux_losses(records, aux_coef: float, z_coef: float):
+    """Sum of coefficient-weighted balance and z losses over layers -> (total, aux_sum, z_sum).
+    The balance loss counts the router's own current choice (`router_top_k`), never replayed
+    experts: under routing replay those are frozen for a whole update and the loss would push
+    the router onto whatever the rollout picked."""
+    aux = sum(load_balancing_loss(r.router_probs, r.router_top_k) for r in records)
+    z = sum(router_z_loss(r.router_logits) for r in records)
+    return aux_coef * aux + z_coef * z, aux, z

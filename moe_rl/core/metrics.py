@@ -1,0 +1,130 @@
+"""Load-balance and routing health metrics (pure torch).
+
+Grades follow the health table in shared/README.md (N experts, utilisation u_i = tokens_i / total):
+
+| metric | healthy  | warning      | danger   |
+| min u  | > 0.8/N  | 0.3/N..0.8/N | < 0.3/N  |
+| max u  | < 3/N    | 3/N..8/N     | > 8/N    |
+| CV     | < 0.5    | 0.5..1.0     | > 1.0    |
+
+The layer grade is the worst of the three. Router entropy is reported in nats and normalised by
+ln N (1.0 = uniform routing); the seeds' "entropy" snippet computed sum p log p, i.e. the negative.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List
+
+import torch
+
+from moe_rl.core.routing import RoutingRecord
+
+GRADES = ("healthy", "warning", "danger")
+# Utilisation-share bands in units of 1/N: healthy in [0.8/N, 3/N]; danger below 0.3/N or above 8/N.
+DANGER_LOW, WARN_LOW, WARN_HIGH, DANGER_HIGH = 0.3, 0.8, 3.0, 8.0
+CV_WARN, CV_DANGER = 0.5, 1.0
+# Per-expert columns (utilisation share, logit mean/std) are logged up to this many experts: beyond
+# it they would swamp metrics.parquet and TensorBoard (the layer-level figures remain).
+PER_EXPERT_MAX = 64
+
+
+def expert_counts(top_k_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, k] indices -> [N] int64 assignment counts."""
+    return torch.bincount(top_k_indices.reshape(-1).long(), minlength=num_experts)
+
+
+def _grade(value: float, healthy, danger, higher_is_better: bool) -> int:
+    if higher_is_better:
+        return 0 if value > healthy else (2 if value < danger else 1)
+    return 0 if value < healthy else (2 if value > danger else 1)
+
+
+def balance_metrics(counts: torch.Tensor) -> Dict[str, float]:
+    """counts: [N] -> utilisation extremes, CV (population std / mean), active experts and grade.
+
+    `health` is 0 healthy, 1 warning, 2 danger (GRADES[health] names it)."""
+    n = counts.numel()
+    c = counts.double()
+    total = c.sum().item()
+    util = c / total if total > 0 else torch.zeros_like(c)
+    mean = c.mean().item()
+    cv = (c.std(unbiased=False).item() / mean) if mean > 0 else float("inf")
+    min_u, max_u = util.min().item(), util.max().item()
+    health = max(_grade(min_u, WARN_LOW / n, DANGER_LOW / n, True),
+                 _grade(max_u, WARN_HIGH / n, DANGER_HIGH / n, False),
+                 _grade(cv, CV_WARN, CV_DANGER, False)) if total > 0 else 2
+    return {"min_util": min_u, "max_util": max_u, "cv": cv,
+            "active_experts": int((counts > 0).sum().item()), "health": health}
+
+
+def router_entropy(router_probs: torch.Tensor) -> Dict[str, float]:
+    """Mean per-token entropy -sum p ln p of [T, N] probabilities, in nats and / ln N."""
+    p = router_probs.double()
+    h = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean().item()
+    n = p.shape[-1]
+    return {"router_entropy": h, "router_entropy_norm": h / math.log(n) if n > 1 else 1.0}
+
+
+def logit_stats(router_logits: torch.Tensor) -> Dict[str, List[float]]:
+    """Per-expert router-logit mean and std: healthy routers have similar means and overlap."""
+    l = router_logits.double()
+    return {"logit_mean": l.mean(0).tolist(), "logit_std": l.std(0, unbiased=False).tolist()}
+
+
+def topk_sets_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[T, k] x [T, k] -> [T] bool: the same set of experts (order ignored)."""
+    return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+
+def flip_rate(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of tokens whose top-k *set* differs between two routing records of the same inputs."""
+    if a.numel() == 0:
+        return 0.0
+    return 1.0 - topk_sets_equal(a, b).double().mean().item()
+
+
+def jaccard(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean Jaccard overlap |A∩B| / |A∪B| of per-token top-k sets."""
+    if a.numel() == 0:
+        return 1.0
+    inter = (a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1).sum(-1).double()
+    union = a.shape[-1] + b.shape[-1] - inter
+    return (inter / union).mean().item()
+
+
+def layer_health(record: RoutingRecord) -> Dict[str, float]:
+    """Scalar health metrics of one layer's routing record (the router's own choice)."""
+    out = balance_metrics(expert_counts(record.router_top_k, record.num_experts))
+    out.update(router_entropy(record.router_probs))
+    return out
+
+
+# How the per-layer values fold into the headline "worst layer" value.
+WORST_OF = {"min_util": min, "max_util": max, "cv": max, "active_experts": min,
+            "health": max, "router_entropy": min, "router_entropy_norm": min}
+
+
+def per_expert(record: RoutingRecord) -> Dict[str, float]:
+    """`util/e{j}` (share of the assignments), `logit_mean/e{j}`, `logit_std/e{j}` of one layer."""
+    counts = expert_counts(record.router_top_k, record.num_experts).double()
+    share = (counts / counts.sum().clamp_min(1)).tolist()
+    stats = logit_stats(record.router_logits.detach())
+    out = {f"util/e{j}": v for j, v in enumerate(share)}
+    for k in ("logit_mean", "logit_std"):
+        out.update({f"{k}/e{j}": v for j, v in enumerate(stats[k])})
+    return out
+
+
+def health_summary(records: Iterable[RoutingRecord]) -> Dict[str, float]:
+    """`moe/layer{i}/<metric>` for every layer (per expert too, up to PER_EXPERT_MAX experts) plus
+    `moe/<metric>` for the worst layer."""
+    records = list(records)
+    per_layer = [layer_health(r) for r in records]
+    out = {}
+    for i, (m, r) in enumerate(zip(per_layer, records)):
+        out.update({f"moe/layer{i}/{k}": v for k, v in m.items()})
+        if r.num_experts <= PER_EXPERT_MAX:
+            out.update({f"moe/layer{i}/{k}": v for k, v in per_expert(r).items()})
+    for key, worst in WORST_OF.items():
+        out[f"moe/{key}"] = worst(m[key] for m in per_layer)
+    return out

@@ -1,0 +1,183 @@
+"""Policy trunks built from the MoE core (pure torch).
+
+- MoEMLPTrunk: vector observations -> tanh(Linear) -> L residual MoE blocks.
+- MoETransformerTrunk: token-history observations -> small causal transformer whose feed-forward
+  sublayers are MoE layers; the feature of the last filled position drives the action.
+
+Both return (features [B, d], routing records): one RoutingRecord per MoE layer, covering exactly
+the B tokens that decide the actions (for the transformer, the current position), so rollout and
+trainer routings line up one-to-one.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from moe_rl.core.layer import MoELayer
+from moe_rl.core.routing import RoutingRecord
+
+
+def moe_layer_from_settings(s: dict) -> MoELayer:
+    return MoELayer(s["d_model"], s["num_experts"], s["top_k"], s["d_ff"], router=s["router"],
+                    temperature=s["temperature"], router_init=s["router_init"],
+                    router_init_std=s["router_init_std"], shared_expert=s["shared_expert"],
+                    expert_dropout=s["expert_dropout"], capacity_factor=s["capacity_factor"],
+                    dispatch=s["dispatch"], activation=s["activation"], router_kwargs=s["router_kwargs"])
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual MoE sublayer: h + MoE(LN(h))."""
+
+    def __init__(self, s: dict):
+        super().__init__()
+        self.norm = nn.LayerNorm(s["d_model"])
+        self.moe = moe_layer_from_settings(s)
+
+    def forward(self, h, replay=None, task_ids=None, explore=False):
+        y, rec = self.moe(self.norm(h), replay_indices=replay, task_ids=task_ids, explore=explore)
+        return h + y, rec
+
+
+def maybe_checkpoint(enabled: bool, fn, *args):
+    """Activation checkpointing in training: keep only the block inputs, recompute the rest in
+    backward (the RNG state is replayed, so expert dropout and sampled routing recompute alike)."""
+    if enabled and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def _replay_for(replay: Optional[torch.Tensor], i: int) -> Optional[torch.Tensor]:
+    """replay: [B, L, k] recorded top-k per layer -> layer i's [B, k]."""
+    return None if replay is None else replay[:, i]
+
+
+class MoEMLPTrunk(nn.Module):
+    """obs [B, obs_dim] -> features [B, d]. task_index: column of a one-hot task id block
+    (start, length) in the observation, used by the task-conditioned router."""
+
+    def __init__(self, obs_dim: int, s: dict, task_slice: Optional[Tuple[int, int]] = None):
+        super().__init__()
+        self.embed = nn.Linear(obs_dim, s["d_model"])
+        self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s["num_layers"]))
+        self.task_slice = task_slice
+        self.checkpointing = s["activation_checkpointing"]
+
+    def forward(self, obs: torch.Tensor, replay: Optional[torch.Tensor] = None, explore: bool = False):
+        obs = obs.reshape(obs.shape[0], -1)
+        task_ids = None
+        if self.task_slice is not None:
+            a, n = self.task_slice
+            task_ids = obs[:, a:a + n].argmax(-1)
+        h = torch.tanh(self.embed(obs))
+        records: List[RoutingRecord] = []
+        for i, block in enumerate(self.blocks):
+            h, rec = maybe_checkpoint(self.checkpointing, block, h, _replay_for(replay, i), task_ids, explore)
+            records.append(rec)
+        return h, records
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x, pad_mask):
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        mask = causal & pad_mask[:, None, None, :]       # [B, 1, T, T]: attend to earlier real tokens
+        mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)  # a row is never fully masked
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+class MoETransformerTrunk(nn.Module):
+    """obs {"tokens": [B, T] int (0 = padding, tokens shifted by +1), "position": [B] int number of
+    filled tokens} -> features [B, d] at the current position (a BOS slot precedes the history)."""
+
+    def __init__(self, vocab_size: int, s: dict):
+        super().__init__()
+        d, self.max_len = s["d_model"], s["max_seq_len"]
+        self.tok = nn.Embedding(vocab_size + 2, d)        # 0 pad, 1 BOS, 2.. tokens
+        self.pos = nn.Embedding(self.max_len + 1, d)
+        self.attn_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(s["num_layers"]))
+        self.attns = nn.ModuleList(CausalSelfAttention(d, s["num_heads"]) for _ in range(s["num_layers"]))
+        self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s["num_layers"]))
+        self.final_norm = nn.LayerNorm(d)
+        self.checkpointing = s["activation_checkpointing"]
+
+    def _layer(self, i, h, pad, last, replay, explore):
+        """Attention then MoE over every position; the record keeps the current position's routing
+        (what drove the action). History positions always route greedily (a sampling router would
+        otherwise re-sample them at every step); replay and exploration act on the current one."""
+        B, L, _ = h.shape
+        block = self.blocks[i]
+        h = h + self.attns[i](self.attn_norms[i](h), pad)
+        y, rec = block.moe(block.norm(h).reshape(B * L, -1))
+        rows = torch.arange(B, device=h.device)
+        if replay is not None or (explore and block.moe.router.samples_when_exploring):
+            y_cur, rec = block.moe(block.norm(h)[rows, last], replay_indices=replay, explore=explore)
+            y = y.view(B, L, -1).clone()
+            y[rows, last] = y_cur
+        else:
+            y = y.view(B, L, -1)
+            rec = rec.rows(rows * L + last)
+        return h + y, rec
+
+    def forward(self, obs: dict, replay: Optional[torch.Tensor] = None, explore: bool = False):
+        tokens = obs["tokens"].long()
+        position = obs["position"].long().reshape(-1)
+        B, T = tokens.shape
+        seq = torch.cat([torch.ones(B, 1, dtype=torch.long, device=tokens.device), tokens + 1], 1)
+        seq = seq.masked_fill(torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=tokens.device),
+                                         tokens < 0], 1), 0)
+        # Only the prefix up to the current position matters: trim to the longest one in the batch.
+        L = int(position.max().item()) + 1 if B else 1
+        seq = seq[:, :L]
+        pad = torch.arange(L, device=seq.device)[None, :] <= position[:, None]
+        h = self.tok(seq) + self.pos(torch.arange(L, device=seq.device))[None]
+        records = []
+        last = position.clamp(max=L - 1)
+        for i in range(len(self.blocks)):
+            h, rec = maybe_checkpoint(self.checkpointing, self._layer, i, h, pad, last,
+                                      None if replay is None else replay[:, i], explore)
+            records.append(rec)
+        return self.final_norm(h[torch.arange(B), last]), records
+
+
+class DualBranchHead(nn.Module):
+    """Parallel dual-branch policy head (seed 000's architecture finding): a linear branch plus a
+    small MLP branch, summed. Both output layers start near zero: a near-uniform initial policy."""
+
+    def __init__(self, d: int, out: int):
+        super().__init__()
+        self.linear = nn.Linear(d, out)
+        self.mlp = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, out))
+        for last in (self.linear, self.mlp[-1]):
+            nn.init.normal_(last.weight, std=0.01)
+            nn.init.zeros_(last.bias)
+
+    def forward(self, h):
+        return self.linear(h) + self.mlp(h)
+
+
+def policy_head(kind: str, d: int, out: int) -> nn.Module:
+    if kind == "dual":
+        return DualBranchHead(d, out)
+    head = nn.Linear(d, out)
+    nn.init.normal_(head.weight, std=0.01)   # near-uniform initial policy
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def mlp(sizes: Sequence[int], out: int) -> nn.Sequential:
+    layers, prev = [], sizes[0]
+    for h in sizes[1:]:
+        layers += [nn.Linear(prev, h), nn.Tanh()]
+        prev = h
+    layers.append(nn.Linear(prev, out))
+    return nn.Sequential(*layers)

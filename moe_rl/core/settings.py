@@ -1,0 +1,160 @@
+"""The `moe.*` settings: defaults and validation (pure python, no Ray).
+
+Validation runs before any Ray actor starts (MoEPPOConfig.validate and the CLI both call it), so a
+bad value costs milliseconds and names the field and what is allowed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+from moe_rl.core.errors import ConfigError, need as _need
+from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS
+from moe_rl.core.routers import ROUTER_INITS, ROUTERS
+
+INFERENCE_DTYPES = ("fp32", "bf16")
+POLICY_HEADS = ("linear", "dual")
+
+MOE_DEFAULTS: Dict[str, Any] = {
+    "num_experts": 8,          # N experts per MoE layer
+    "top_k": 2,                # experts per token
+    "router": "topk",          # one of ROUTERS
+    "num_layers": 2,           # MoE blocks in the policy trunk
+    "d_model": 64,             # trunk width
+    "d_ff": 64,                # expert hidden width
+    "activation": "tanh",
+    "temperature": 1.0,
+    "router_init": "normal",
+    "router_init_std": None,   # None: 0.02 / sqrt(N)
+    "router_kwargs": {},       # router-specific (sinkhorn_epsilon, bias_update_rate, num_tasks, ...)
+    "shared_expert": False,
+    "expert_dropout": 0.0,
+    "capacity_factor": None,   # None = dropless
+    "dispatch": "auto",
+    "aux_loss_coef": 0.01,     # Switch load-balancing loss weight
+    "z_loss_coef": 0.001,      # ST-MoE router z-loss weight
+    "reinforce_loss_coef": 1.0,  # router "reinforce": weight of its policy-gradient loss
+    "activation_checkpointing": False,  # recompute MoE blocks in backward: memory for compute
+    "policy_head": "linear",   # linear | dual (parallel linear + MLP branches, seed 000's finding)
+    "inference_dtype": "fp32", # numeric setup of the rollout (inference) copy
+    "ep_size": 1,              # expert-parallel degree of the learner group
+    "routing_replay": "auto",  # R3: the learner replays the rollout's recorded top-k. auto: where
+                               # the routing is not a function of the token alone (reinforce, capacity)
+    # Trainer-only gating (DeepSpeed learner). Each is a training-inference mismatch source that
+    # DeepSpeed turns on by default; here they are off unless asked for.
+    "trainer_capacity_factor": None,          # None = dropless; else drop beyond the capacity
+    "trainer_second_expert_sampling": False,  # Gumbel-sample the 2nd expert (DeepSpeed default)
+    "trainer_random_token_selection": False,  # random survivors at capacity (DeepSpeed's RTS)
+    "vf_hiddens": [64, 64],    # value network (kept outside the MoE)
+    "task_slice": None,        # [start, num_tasks]: one-hot task id inside vector obs (router "task")
+    "max_seq_len": 64,         # token-sequence policies: context length of the transformer
+    "num_heads": 4,            # token-sequence policies: attention heads
+}
+
+
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[str, Any]:
+    """Check a full `moe` settings dict (defaults merged in); returns it. Field names are `moe.*`.
+    num_learners=None skips the learner-layout check (inside a module, which has no layout)."""
+    unknown = sorted(set(s) - set(MOE_DEFAULTS))
+    _need(not unknown, f"moe.{unknown[0] if unknown else ''}", f"one of {sorted(MOE_DEFAULTS)}",
+          unknown[0] if unknown else None)
+    n = s["num_experts"]
+    _need(_is_int(n) and n >= 1, "moe.num_experts", "an int >= 1", n)
+    _need(_is_int(s["top_k"]) and 1 <= s["top_k"] <= n, "moe.top_k", f"an int in [1, moe.num_experts={n}]",
+          s["top_k"])
+    _need(s["router"] in ROUTERS, "moe.router", f"one of {ROUTERS}", s["router"])
+    for f in ("num_layers", "d_model", "d_ff", "max_seq_len", "num_heads"):
+        _need(_is_int(s[f]) and s[f] >= 1, f"moe.{f}", "an int >= 1", s[f])
+    _need(s["d_model"] % s["num_heads"] == 0, "moe.num_heads", f"a divisor of moe.d_model={s['d_model']}",
+          s["num_heads"])
+    _need(s["activation"] in ACTIVATIONS, "moe.activation", f"one of {tuple(ACTIVATIONS)}", s["activation"])
+    _need(_is_num(s["temperature"]) and s["temperature"] > 0, "moe.temperature", "a finite number > 0",
+          s["temperature"])
+    _need(s["router_init"] in ROUTER_INITS, "moe.router_init", f"one of {ROUTER_INITS}", s["router_init"])
+    _need(s["router_init_std"] is None or (_is_num(s["router_init_std"]) and s["router_init_std"] > 0),
+          "moe.router_init_std", "None or a finite number > 0", s["router_init_std"])
+    _need(isinstance(s["router_kwargs"], dict), "moe.router_kwargs", "a mapping", s["router_kwargs"])
+    ts = s["task_slice"]
+    _need(ts is None or (isinstance(ts, (list, tuple)) and len(ts) == 2 and all(_is_int(v) and v >= 0 for v in ts)
+                         and ts[1] >= 1), "moe.task_slice", "null or [start, num_tasks]", ts)
+    if s["router"] == "task":
+        nt = s["router_kwargs"].get("num_tasks")
+        _need(_is_int(nt) and nt >= 1, "moe.router_kwargs.num_tasks", "an int >= 1 for router 'task'", nt)
+        _need(ts is not None and ts[1] == nt, "moe.task_slice", f"[start, {nt}] for router 'task'", ts)
+    _need(isinstance(s["shared_expert"], bool), "moe.shared_expert", "true or false", s["shared_expert"])
+    _need(_is_num(s["expert_dropout"]) and 0 <= s["expert_dropout"] < 1, "moe.expert_dropout",
+          "a number in [0, 1)", s["expert_dropout"])
+    for f in ("capacity_factor", "trainer_capacity_factor"):
+        _need(s[f] is None or (_is_num(s[f]) and s[f] > 0), f"moe.{f}", "None (dropless) or a number > 0", s[f])
+    for f in ("trainer_second_expert_sampling", "trainer_random_token_selection", "activation_checkpointing"):
+        _need(isinstance(s[f], bool), f"moe.{f}", "true or false", s[f])
+    _need(s["dispatch"] in DISPATCH_PATHS, "moe.dispatch", f"one of {DISPATCH_PATHS}", s["dispatch"])
+    _need(s["policy_head"] in POLICY_HEADS, "moe.policy_head", f"one of {POLICY_HEADS}", s["policy_head"])
+    for f in ("aux_loss_coef", "z_loss_coef", "reinforce_loss_coef"):
+        _need(_is_num(s[f]) and s[f] >= 0, f"moe.{f}", "a finite number >= 0", s[f])
+    _need(s["inference_dtype"] in INFERENCE_DTYPES, "moe.inference_dtype", f"one of {INFERENCE_DTYPES}",
+          s["inference_dtype"])
+    ep = s["ep_size"]
+    _need(_is_int(ep) and ep >= 1, "moe.ep_size", "an int >= 1", ep)
+    _need(n % ep == 0, "moe.ep_size", f"a divisor of moe.num_experts={n}", ep)
+    _need(ep == 1 or num_learners is None or (num_learners >= ep and num_learners % ep == 0), "moe.ep_size",
+          f"a divisor of learners.num_learners={num_learners}", ep)
+    _need(s["routing_replay"] == "auto" or isinstance(s["routing_replay"], bool), "moe.routing_replay", "auto, true or false",
+          s["routing_replay"])
+    vf = s["vf_hiddens"]
+    _need(isinstance(vf, (list, tuple)) and all(_is_int(h) and h >= 1 for h in vf), "moe.vf_hiddens",
+          "a list of ints >= 1", vf)
+    return s
+
+
+DEEPSPEED_DEFAULTS: Dict[str, Any] = {
+    "enabled": None,             # None: on when moe.ep_size > 1 or a DeepSpeed config is given
+    "config": {},                # DeepSpeed config dict (or a JSON file path), passed to deepspeed.initialize
+    "num_threads": 1,            # torch intra-op threads per learner process
+    "placement_strategy": "PACK",
+    "placement_timeout_s": 600,
+}
+
+
+def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int) -> Dict[str, Any]:
+    """Validate `deepspeed.*` and resolve `enabled` and a JSON config path. Field names: deepspeed.*"""
+    import json
+    unknown = sorted(set(d) - set(DEEPSPEED_DEFAULTS))
+    _need(not unknown, f"deepspeed.{unknown[0] if unknown else ''}", f"one of {sorted(DEEPSPEED_DEFAULTS)}",
+          unknown[0] if unknown else None)
+    d = {**DEEPSPEED_DEFAULTS, **d}
+    cfg = d["config"]
+    if isinstance(cfg, str):
+        try:
+            with open(cfg) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"deepspeed.config: must be a dict or a readable JSON file, got {d['config']!r} ({e})") from None
+    _need(isinstance(cfg, dict), "deepspeed.config", "a dict or a JSON file path", cfg)
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    _need(stage in (0, 1, 2), "deepspeed.config.zero_optimization.stage", "0, 1 or 2 (dense part only)", stage)
+    d["config"] = cfg
+    enabled = d["enabled"]
+    _need(enabled is None or isinstance(enabled, bool), "deepspeed.enabled", "true, false or null", enabled)
+    if enabled is None:
+        enabled = moe["ep_size"] > 1 or bool(cfg)
+    _need(not enabled or num_learners >= 1, "learners.num_learners",
+          "an int >= 1 when the DeepSpeed learner group is used", num_learners)
+    _need(not (moe["ep_size"] > 1 and not enabled), "deepspeed.enabled", "true (or null) when moe.ep_size > 1",
+          enabled)
+    d["enabled"] = enabled
+    _need(_is_int(d["num_threads"]) and d["num_threads"] >= 1, "deepspeed.num_threads", "an int >= 1",
+          d["num_threads"])
+    _need(d["placement_strategy"] in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+          "deepspeed.placement_strategy", "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD", d["placement_strategy"])
+    return d

@@ -1,0 +1,415 @@
+"""The stability toolkit (pure torch: no Ray, no DeepSpeed).
+
+One optimizer step of a learner, with the toolkit on:
+
+    grads -> collective finiteness check (skip the step on every learner together)
+          -> winsorize each tensor at quantile p -> project onto a low-rank subspace
+          -> per-group norms (global over expert shards) -> per-group clipping
+          -> router-only warm-up mask -> per-group scheduled LR -> optimizer.step()
+
+Parameter groups are found by module path (tensors have no `.name`): router, shared_expert,
+experts, policy_head, value_head, other (`moe_rl.core.param_groups`).
+
+The learners (moe_rl.rllib.learner, actors.learner) own the optimizer and the collectives; this module
+owns the math, so it is tested without Ray, and both learners behave identically.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from moe_rl.core.param_groups import PARAM_GROUPS, param_group
+from moe_rl.core.settings import _is_int, _is_num, _need
+
+SCHEDULES = ("constant", "cosine", "cyclic", "cosine_restarts")
+OPTIMIZERS = ("adam", "adamw", "lamb")
+SCHEDULE_KEYS = {"constant": (), "cosine": ("eta_min", "t_max"), "cyclic": ("max_lr", "step_size"),
+                 "cosine_restarts": ("eta_min", "t_0", "t_mult")}
+
+# The seeds' per-group clip factors (x grad_clip): routers are the most fragile part of an MoE.
+DEFAULT_CLIP_FACTORS = {"router": 0.5, "shared_expert": 2.0, "experts": 3.0,
+                        "policy_head": 1.0, "value_head": 1.0, "other": 1.0}
+
+STABILITY_DEFAULTS: Dict[str, Any] = {
+    "lr_schedules": {},            # group (or "default": every other group) -> schedule spec (see lr_at);
+                                   # groups without one follow training.lr
+    "grad_clip": None,             # base max-norm (None: off); group threshold = base x factor
+    "grad_clip_factors": dict(DEFAULT_CLIP_FACTORS),
+    "skip_nonfinite": True,        # a non-finite gradient on any learner skips the step on all
+    "winsorize_p": None,           # clamp each gradient to its (1-p) quantile of |g| (None: off)
+    "projection_rank": None,       # project 2-D gradients onto their top-r right singular vectors
+    "projection_groups": ["experts"],
+    "projection_refresh": 0,       # re-derive the basis every N applied steps (0: keep the first)
+    "router_warmup_steps": 0,      # the first N applied steps update only router parameters
+    "expert_dropout_schedule": None,  # {"start": 0.05, "end": 0.2, "steps": T}: linear in steps
+    "optimizer": "adam",           # adam | adamw | lamb
+    "weight_decay": 0.0,
+    "betas": [0.9, 0.999],
+    "lamb_clamp": 10.0,            # LAMB: upper bound of the weight norm in the trust ratio
+    "anomaly_detection": True,     # rolling-window checks over the iteration metrics
+    "anomaly_window": 100,
+    "anomaly_z": 6.0,              # robust z-score (median / MAD) for spikes and drops
+    "anomaly_min_history": 10,
+    "entropy_band": [0.3, 1.0],    # normalised router entropy outside it is a breach
+    "grad_norm_band": [0.1, 10.0], # pre-clip total gradient norm outside it x the run's median: a breach
+    "health_warmup": 3,            # iterations before health-band breaches are judged
+    "flip_rate_max": 0.5,          # probe-set routing flip rate above it is routing oscillation
+    "rss_growth_mb": 512.0,        # an actor's RSS growing more than this over the window
+    "alerts_path": None,           # Parquet file of alerts (the CLI sets RUN_DIR/alerts.parquet)
+}
+
+
+# --- settings ---------------------------------------------------------------------------------------
+def _positive_int(v) -> bool:
+    return _is_int(v) and v >= 1
+
+
+def _validate_schedule(group: str, spec: Any) -> Dict[str, Any]:
+    f = f"stability.lr_schedules.{group}"
+    _need(isinstance(spec, dict), f, "a mapping with a 'schedule' key", spec)
+    kind = spec.get("schedule")
+    _need(kind in SCHEDULES, f"{f}.schedule", f"one of {SCHEDULES}", kind)
+    allowed = {"schedule", "lr", "warmup_steps", *SCHEDULE_KEYS[kind]}
+    unknown = sorted(set(spec) - set(allowed))
+    _need(not unknown, f"{f}.{unknown[0] if unknown else ''}", f"one of {sorted(allowed)} for {kind}",
+          unknown[0] if unknown else None)
+    s = {"eta_min": 0.0, "t_mult": 1, "warmup_steps": 0, **spec}
+    for k in ("lr", "eta_min", "max_lr"):
+        if k in allowed:
+            _need(k in s and _is_num(s[k]) and s[k] >= 0, f"{f}.{k}", "a finite number >= 0", s.get(k))
+    for k in ("t_max", "step_size", "t_0", "t_mult"):
+        if k in allowed:
+            _need(k in s and _positive_int(s[k]), f"{f}.{k}", "an int >= 1", s.get(k))
+    _need(_is_int(s["warmup_steps"]) and s["warmup_steps"] >= 0, f"{f}.warmup_steps", "an int >= 0",
+          s["warmup_steps"])
+    return s
+
+
+def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
+    """Defaults merged in and every `stability.*` field checked; returns the full settings."""
+    unknown = sorted(set(d) - set(STABILITY_DEFAULTS))
+    _need(not unknown, f"stability.{unknown[0] if unknown else ''}", f"one of {sorted(STABILITY_DEFAULTS)}",
+          unknown[0] if unknown else None)
+    s = {**copy.deepcopy(STABILITY_DEFAULTS), **copy.deepcopy(d)}
+    _need(isinstance(s["lr_schedules"], dict), "stability.lr_schedules", "a mapping group -> schedule",
+          s["lr_schedules"])
+    for g, spec in list(s["lr_schedules"].items()):
+        _need(g in PARAM_GROUPS + ("default",), "stability.lr_schedules", f"keys from {PARAM_GROUPS} or 'default'", g)
+        s["lr_schedules"][g] = _validate_schedule(g, spec)
+    _need(s["grad_clip"] is None or (_is_num(s["grad_clip"]) and s["grad_clip"] > 0), "stability.grad_clip",
+          "null (off) or a number > 0", s["grad_clip"])
+    factors = s["grad_clip_factors"]
+    _need(isinstance(factors, dict) and set(factors) <= set(PARAM_GROUPS), "stability.grad_clip_factors",
+          f"a mapping with keys from {PARAM_GROUPS}", factors)
+    s["grad_clip_factors"] = {**DEFAULT_CLIP_FACTORS, **factors}
+    for g, v in s["grad_clip_factors"].items():
+        _need(_is_num(v) and v > 0, f"stability.grad_clip_factors.{g}", "a number > 0", v)
+    for f in ("skip_nonfinite", "anomaly_detection"):
+        _need(isinstance(s[f], bool), f"stability.{f}", "true or false", s[f])
+    p = s["winsorize_p"]
+    _need(p is None or (_is_num(p) and 0 < p < 0.5), "stability.winsorize_p", "null or a number in (0, 0.5)", p)
+    r = s["projection_rank"]
+    _need(r is None or _positive_int(r), "stability.projection_rank", "null or an int >= 1", r)
+    pg = s["projection_groups"]
+    _need(isinstance(pg, (list, tuple)) and all(g in PARAM_GROUPS for g in pg), "stability.projection_groups",
+          f"a list from {PARAM_GROUPS}", pg)
+    for f in ("projection_refresh", "router_warmup_steps"):
+        _need(_is_int(s[f]) and s[f] >= 0, f"stability.{f}", "an int >= 0", s[f])
+    ed = s["expert_dropout_schedule"]
+    if ed is not None:
+        _need(isinstance(ed, dict) and set(ed) == {"start", "end", "steps"}, "stability.expert_dropout_schedule",
+              "null or {start, end, steps}", ed)
+        for k in ("start", "end"):
+            _need(_is_num(ed[k]) and 0 <= ed[k] < 1, f"stability.expert_dropout_schedule.{k}",
+                  "a number in [0, 1)", ed[k])
+        _need(_positive_int(ed["steps"]), "stability.expert_dropout_schedule.steps", "an int >= 1", ed["steps"])
+    _need(s["optimizer"] in OPTIMIZERS, "stability.optimizer", f"one of {OPTIMIZERS}", s["optimizer"])
+    _need(_is_num(s["weight_decay"]) and s["weight_decay"] >= 0, "stability.weight_decay", "a number >= 0",
+          s["weight_decay"])
+    b = s["betas"]
+    _need(isinstance(b, (list, tuple)) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b),
+          "stability.betas", "[beta1, beta2] in [0, 1)", b)
+    _need(_is_num(s["lamb_clamp"]) and s["lamb_clamp"] > 0, "stability.lamb_clamp", "a number > 0", s["lamb_clamp"])
+    for f in ("anomaly_window", "anomaly_min_history"):
+        _need(_is_int(s[f]) and s[f] >= 2, f"stability.{f}", "an int >= 2", s[f])
+    _need(_is_int(s["health_warmup"]) and s["health_warmup"] >= 0, "stability.health_warmup", "an int >= 0",
+          s["health_warmup"])
+    for f in ("anomaly_z", "rss_growth_mb"):
+        _need(_is_num(s[f]) and s[f] > 0, f"stability.{f}", "a number > 0", s[f])
+    _need(_is_num(s["flip_rate_max"]) and 0 < s["flip_rate_max"] <= 1, "stability.flip_rate_max",
+          "a number in (0, 1]", s["flip_rate_max"])
+    for f in ("entropy_band", "grad_norm_band"):
+        v = s[f]
+        _need(isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_num(x) for x in v) and 0 <= v[0] < v[1],
+              f"stability.{f}", "[low, high] with 0 <= low < high", v)
+    _need(s["alerts_path"] is None or isinstance(s["alerts_path"], str), "stability.alerts_path",
+          "null or a file path", s["alerts_path"])
+    return s
+
+
+# --- schedules --------------------------------------------------------------------------------------
+def lr_at(spec: Dict[str, Any], step: int) -> float:
+    """Learning rate of a validated schedule spec before applied step `step` (0-based).
+
+    constant         lr
+    cosine           eta_min + (lr - eta_min)(1 + cos(pi min(t, T) / T)) / 2
+    cyclic           triangular between lr and max_lr, half-period step_size
+    cosine_restarts  SGDR: cosine over periods t_0, t_0 t_mult, t_0 t_mult^2, ...
+    warmup_steps w   linear ramp lr_0 (t+1)/w for t < w; the schedule then starts at t - w
+    """
+    w = spec.get("warmup_steps", 0)
+    if step < w:
+        return _schedule(spec, 0) * (step + 1) / w
+    return _schedule(spec, step - w)
+
+
+def _schedule(s: Dict[str, Any], t: int) -> float:
+    kind, lr = s["schedule"], s["lr"]
+    if kind == "constant":
+        return lr
+    if kind == "cosine":
+        T = s["t_max"]
+        return s["eta_min"] + (lr - s["eta_min"]) * (1 + math.cos(math.pi * min(t, T) / T)) / 2
+    if kind == "cyclic":
+        size = s["step_size"]
+        cycle = math.floor(1 + t / (2 * size))
+        x = abs(t / size - 2 * cycle + 1)
+        return lr + (s["max_lr"] - lr) * max(0.0, 1 - x)
+    t0, mult = s["t_0"], s["t_mult"]
+    if mult == 1:
+        t_cur, t_i = t % t0, t0
+    else:
+        n = int(math.floor(math.log(t / t0 * (mult - 1) + 1, mult)))
+        t_cur, t_i = t - t0 * (mult ** n - 1) // (mult - 1), t0 * mult ** n
+    return s["eta_min"] + (lr - s["eta_min"]) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
+
+
+def expert_dropout_at(spec: Optional[Dict[str, Any]], step: int) -> Optional[float]:
+    if spec is None:
+        return None
+    frac = min(step, spec["steps"]) / spec["steps"]
+    return spec["start"] + (spec["end"] - spec["start"]) * frac
+
+
+def set_expert_dropout(module: torch.nn.Module, p: float) -> int:
+    """Set the expert-dropout rate of every MoE layer (core MoELayer or the DeepSpeed gate)."""
+    n = 0
+    for m in module.modules():
+        if isinstance(getattr(m, "expert_dropout", None), float):
+            m.expert_dropout = float(p)
+            n += 1
+    return n
+
+
+# --- gradient surgery -------------------------------------------------------------------------------
+EXACT_QUANTILE_MAX = 1 << 24   # torch.quantile refuses inputs above 16M elements; kthvalue does not
+
+
+def abs_quantile(x: torch.Tensor, q: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """q-quantile of |x|: exact (kthvalue) up to 16M elements, else from a 1M-element random sample."""
+    a = x.detach().reshape(-1).abs().float()
+    if a.numel() > EXACT_QUANTILE_MAX:
+        a = a[torch.randint(a.numel(), (1 << 20,), generator=generator, device=a.device)]
+    k = min(a.numel(), max(1, math.ceil(q * a.numel())))
+    return a.kthvalue(k).values
+
+
+def winsorize_(grad: torch.Tensor, p: float) -> torch.Tensor:
+    """Clamp a gradient in place to +-(1-p) quantile of its magnitudes (outliers only)."""
+    if grad.numel() >= 2:
+        hi = abs_quantile(grad, 1.0 - p)
+        grad.clamp_(-hi.item(), hi.item())
+    return grad
+
+
+def orthonormal_basis(grad: torch.Tensor, rank: int) -> torch.Tensor:
+    """[r, in] rows: the top-r right singular vectors of a 2-D gradient (orthonormal by SVD)."""
+    _, _, vh = torch.linalg.svd(grad.detach().float(), full_matrices=False)
+    return vh[:rank].contiguous()
+
+
+def project_(grad: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """g <- g P^T P: an orthogonal projection because P's rows are orthonormal."""
+    grad.copy_((grad.float() @ basis.T @ basis).to(grad.dtype))
+    return grad
+
+
+# --- LAMB ---------------------------------------------------------------------------------------------
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2019): Adam direction with a per-tensor trust ratio ||w|| / ||update||;
+    ||w|| is clamped to `clamp` so large tensors cannot take huge steps."""
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, clamp=10.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, clamp=clamp))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros(())
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                t = state["step"].item()
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                w_norm, u_norm = p.norm().clamp(max=group["clamp"]), update.norm()
+                trust = (w_norm / u_norm).item() if w_norm > 0 and u_norm > 0 else 1.0
+                p.add_(update, alpha=-group["lr"] * trust)
+        return loss
+
+
+# --- the toolkit --------------------------------------------------------------------------------------
+Collective = Callable[[torch.Tensor], torch.Tensor]   # in-place SUM over every learner; returns it
+
+
+class StabilityToolkit:
+    """Per-module gradient pipeline and per-group optimizer setup.
+
+    named_params: (name, parameter) of the module (this learner's shard under expert parallelism).
+    is_expert: name -> whether the tensor is an expert shard (its norm must be summed over shards).
+    all_reduce_sum / world_size / ep_size: the learners' collective; None for a single learner.
+    """
+
+    def __init__(self, settings: Dict[str, Any], named_params: Iterable[Tuple[str, torch.nn.Parameter]],
+                 is_expert: Callable[[str], bool] = lambda name: False,
+                 all_reduce_sum: Optional[Collective] = None, world_size: int = 1, ep_size: int = 1):
+        self.s = settings
+        self.named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.group_of = {n: param_group(n) for n, _ in self.named}
+        self.expert = {n: bool(is_expert(n)) for n, _ in self.named}
+        self.groups = [g for g in PARAM_GROUPS if g in self.group_of.values()]
+        self.all_reduce_sum, self.world, self.ep = all_reduce_sum, world_size, ep_size
+        self.step_count = 0       # applied optimizer steps: what every schedule counts
+        self.skipped = 0          # lifetime skipped (non-finite) steps
+        self.last_stats: Dict[str, float] = {}   # the latest step's figures (the learner logs them)
+        self._bases: Dict[str, torch.Tensor] = {}
+
+    # optimizer --------------------------------------------------------------------------------------
+    def param_groups(self, base_lr: float) -> List[Dict[str, Any]]:
+        """One optimizer param group per stability group, tagged with `moe_rl_group`."""
+        out = []
+        for g in self.groups:
+            params = [p for n, p in self.named if self.group_of[n] == g]
+            out.append({"params": params, "name": g, "moe_rl_group": g, "lr": self.lr_of(g, base_lr)})
+        return out
+
+    def make_optimizer(self, param_groups: List[Dict[str, Any]], base_lr: float) -> torch.optim.Optimizer:
+        s = self.s
+        if s["optimizer"] == "lamb":
+            return Lamb(param_groups, lr=base_lr, betas=s["betas"], weight_decay=s["weight_decay"],
+                        clamp=s["lamb_clamp"])
+        cls = torch.optim.AdamW if s["optimizer"] == "adamw" else torch.optim.Adam
+        return cls(param_groups, lr=base_lr, betas=tuple(s["betas"]), weight_decay=s["weight_decay"],
+                   foreach=True)
+
+    def lr_of(self, group: str, base_lr: float) -> float:
+        schedules = self.s["lr_schedules"]
+        spec = schedules.get(group, schedules.get("default"))
+        return base_lr if spec is None else lr_at(spec, self.step_count)
+
+    def set_lrs(self, optimizer: torch.optim.Optimizer, base_lr: float) -> Dict[str, float]:
+        lrs = {g: self.lr_of(g, base_lr) for g in self.groups}
+        for pg in optimizer.param_groups:
+            g = pg.get("moe_rl_group")
+            if g is not None:
+                pg["lr"] = lrs[g]
+        return lrs
+
+    # gradients --------------------------------------------------------------------------------------
+    def process(self, base_lr: float, optimizer: torch.optim.Optimizer) -> bool:
+        """Run the pipeline on the parameters' .grad in place; True: apply the step. Its figures
+        update `last_stats`. Collective: every learner calls it once per step, in the same order."""
+        apply, stats = self._process(base_lr, optimizer)
+        self.last_stats.update(stats)
+        return apply
+
+    def _process(self, base_lr: float, optimizer: torch.optim.Optimizer) -> Tuple[bool, Dict[str, float]]:
+        s = self.s
+        grads = [(n, p.grad) for n, p in self.named if p.grad is not None]
+        # One collective carries the non-finite flag and every group's squared norm, the latter
+        # split into replicated tensors (slot 2i+1) and expert shards (slot 2i+2).
+        vec = torch.zeros(1 + 2 * len(self.groups), dtype=torch.float64)
+        if grads:
+            sq = torch.stack(torch._foreach_norm([g for _, g in grads])).double().pow(2)
+            finite = bool(torch.isfinite(sq).all())
+            if finite and (s["winsorize_p"] is not None or s["projection_rank"] is not None):
+                if s["winsorize_p"] is not None:
+                    for _, g in grads:
+                        winsorize_(g, s["winsorize_p"])
+                if s["projection_rank"] is not None:
+                    self._project(grads)
+                sq = torch.stack(torch._foreach_norm([g for _, g in grads])).double().pow(2)
+            slots = torch.tensor([1 + 2 * self.groups.index(self.group_of[n]) + int(self.expert[n])
+                                  for n, _ in grads])
+            vec.index_add_(0, slots, torch.nan_to_num(sq, nan=0.0, posinf=0.0))
+            vec[0] = float(s["skip_nonfinite"] and not finite)
+        if self.all_reduce_sum is not None and self.world > 1:
+            self.all_reduce_sum(vec)
+            # Replicated tensors were summed world times; each expert shard world/ep times.
+            vec[1::2] /= self.world
+            vec[2::2] /= self.world / self.ep
+        stats: Dict[str, float] = {}
+        sq = {g: (vec[1 + 2 * i] + vec[2 + 2 * i]).item() for i, g in enumerate(self.groups)}
+        if vec[0] > 0:            # some learner saw a non-finite gradient: nobody steps
+            self.skipped += 1
+            for _, p in self.named:
+                p.grad = None
+            stats["stability/skipped_steps"] = float(self.skipped)
+            return False, stats
+        stats.update({f"stability/grad_norm/{g}": math.sqrt(v) for g, v in sq.items()})
+        stats["stability/grad_norm/total"] = math.sqrt(sum(sq.values()))
+        if s["grad_clip"] is not None:
+            self._clip(sq, stats)
+        if self.step_count < s["router_warmup_steps"]:
+            for n, p in self.named:   # grad None: Adam/LAMB skip the tensor, moments included
+                if self.group_of[n] != "router":
+                    p.grad = None
+        stats.update({f"stability/lr/{g}": lr for g, lr in self.set_lrs(optimizer, base_lr).items()})
+        stats["stability/skipped_steps"] = float(self.skipped)
+        stats["stability/router_warmup"] = float(self.step_count < s["router_warmup_steps"])
+        self.step_count += 1
+        return True, stats
+
+    def _clip(self, sq: Dict[str, float], stats: Dict[str, float]) -> None:
+        base, factors = self.s["grad_clip"], self.s["grad_clip_factors"]
+        coef = {}
+        for g, v in sq.items():
+            limit, norm = base * factors[g], math.sqrt(v)
+            coef[g] = min(1.0, limit / (norm + 1e-6))
+            stats[f"stability/clip_coef/{g}"] = coef[g]
+        for n, p in self.named:
+            c = coef[self.group_of[n]]
+            if p.grad is not None and c < 1.0:
+                p.grad.mul_(c)
+
+    def _project(self, grads: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        r, refresh = self.s["projection_rank"], self.s["projection_refresh"]
+        renew = refresh > 0 and self.step_count % refresh == 0
+        for n, g in grads:
+            if self.group_of[n] not in self.s["projection_groups"] or g.dim() != 2 or g.shape[1] <= r:
+                continue
+            if n not in self._bases or renew:
+                self._bases[n] = orthonormal_basis(g, r)
+            project_(g, self._bases[n])
+
+    # state --------------------------------------------------------------------------------------------
+    def get_state(self) -> Dict[str, Any]:
+        return {"step_count": self.step_count, "skipped": self.skipped,
+                "bases": {n: b.clone() for n, b in self._bases.items()}}
+
+    def set_state(self, state: Dict[str, Any]) -> None:
+        self.step_count, self.skipped = int(state["step_count"]), int(state["skipped"])
+        self._bases = {n: torch.as_tensor(b) for n, b in state.get("bases", {}).items()}

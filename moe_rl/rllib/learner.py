@@ -1,0 +1,242 @@
+"""MoEPPOTorchLearner: RLlib's PPO loss plus the MoE router losses, health metrics and the
+stability toolkit (per-group LR and clipping, NaN-step skipping, ...: moe_rl.core.stability).
+
+It also offers the weights the way the rest of the system sees them: under global names, as
+numpy, per module (`shard`, `shard_digests`, `weight_stats`, `load_shards`), and the trainer's own
+forward on rollout data (`trainer_view`). The DeepSpeed learner overrides the first ones with its
+expert-parallel part; the learner groups (moe_rl.algo.learner_groups, actors.learner_group) call them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import numpy as np
+import torch
+import tree
+from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
+from ray.rllib.evaluation.postprocessing import Postprocessing
+
+from moe_rl.core.digests import state_digests
+from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss
+from moe_rl.core.metrics import health_summary
+from moe_rl.core.param_groups import param_group
+from moe_rl.core.routers import Router, balance_step
+from moe_rl.core.sharding import assemble_modules
+from moe_rl.core.stability import StabilityToolkit, expert_dropout_at, set_expert_dropout, validate_stability
+from moe_rl.rllib.correction import TIS_WEIGHT, TruncatedImportanceSampling
+from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
+
+STABILITY_STATE = "moe_rl_stability"
+KL_COEFFS = "moe_rl_kl_coeffs"      # PPO's adaptive KL coefficients (RLlib's state leaves them out)
+LR_SCALE = "moe_rl_lr_scale"
+
+
+class MoEPPOTorchLearner(PPOTorchLearner):
+    def build(self) -> None:
+        self._stability: Dict[str, StabilityToolkit] = {}
+        self._last_routing: Dict[str, list] = {}
+        # fn(learner, module_id), run on the parameters' .grad before the stability toolkit:
+        # custom gradient surgery, or fault injection in tests.
+        self.grad_hooks: List[Callable] = []
+        self.lr_scale = 1.0   # < 1 for the retry after a sync-gate rollback
+        super().build()
+        cap = self.config.consistency_settings.get("tis_cap")
+        if cap is not None and self._learner_connector is not None:
+            # After PPO's GAE (appended by super().build()): reweights advantages, re-bases the ratio.
+            self._learner_connector.append(TruncatedImportanceSampling(cap=cap))
+
+    # --- optimizer and the stability toolkit -----------------------------------------------------
+    def make_toolkit(self, module_id) -> StabilityToolkit:
+        return StabilityToolkit(validate_stability(self.config.stability_settings),
+                                self._module[module_id].named_parameters())
+
+    def optimizer_param_groups(self, toolkit: StabilityToolkit, base_lr: float):
+        return toolkit.param_groups(base_lr)
+
+    def configure_optimizers_for_module(self, module_id, config=None):
+        """One param group per stability group (router, experts, ...: own LR schedule and clip),
+        Adam/AdamW with the multi-tensor (foreach) kernels — an MoE module has many small
+        per-expert tensors, and the per-tensor loop PyTorch picks on CPU dominates the step — or LAMB."""
+        toolkit = self._stability[module_id] = self.make_toolkit(module_id)
+        base_lr = config.lr if isinstance(config.lr, (int, float)) else 1e-3  # schedules set it each step
+        optimizer = self.build_optimizer(module_id, toolkit, self.optimizer_param_groups(toolkit, base_lr), base_lr)
+        self.register_optimizer(module_id=module_id, optimizer=optimizer,
+                                params=self.get_parameters(self._module[module_id]), lr_or_lr_schedule=config.lr)
+        self._set_expert_dropout(module_id)
+
+    def build_optimizer(self, module_id, toolkit, param_groups, base_lr):
+        return toolkit.make_optimizer(param_groups, base_lr)
+
+    def _set_expert_dropout(self, module_id) -> None:
+        toolkit = self._stability[module_id]
+        p = expert_dropout_at(toolkit.s["expert_dropout_schedule"], toolkit.step_count)
+        if p is not None:
+            set_expert_dropout(self._module[module_id], p)
+            toolkit.last_stats["stability/expert_dropout"] = p
+
+    def stability_step(self, module_id, optimizer) -> bool:
+        """Run the gradient hooks and the toolkit on this module's .grad; True: take the step.
+        Its figures are logged once per update (after_gradient_based_update).
+        Collective under the DeepSpeed learner group: every learner calls it once per step."""
+        for hook in self.grad_hooks:
+            hook(self, module_id)
+        lr_schedule = self._optimizer_lr_schedules.get(optimizer)
+        base_lr = lr_schedule.get_current_value() if lr_schedule is not None else self.config.lr
+        return self._stability[module_id].process(float(base_lr) * self.lr_scale, optimizer)
+
+    def after_step(self, module_id) -> None:
+        """After an applied optimizer step: routers' balancing state, then the dropout schedule."""
+        balance_step(self._module[module_id], self.router_stats_all_reduce())
+        self._set_expert_dropout(module_id)
+
+    def router_stats_all_reduce(self):
+        """How routers sum their balancing statistics over the learners (one learner: no need)."""
+        return None
+
+    def apply_gradients(self, gradients_dict) -> None:
+        for pid, grad in gradients_dict.items():
+            if self._params[pid].grad is not grad:
+                self._params[pid].grad = grad
+        for module_id, names in self._module_optimizers.items():
+            for name in names:
+                optimizer = self.get_optimizer(module_id, name)
+                if self.stability_step(module_id, optimizer):
+                    optimizer.step()
+                    self.after_step(module_id)
+
+    def after_gradient_based_update(self, *, timesteps) -> None:
+        """Once per update, not per minibatch: the toolkit's last figures (group norms, LRs,
+        skipped steps) and the health metrics of the last minibatch's routing."""
+        super().after_gradient_based_update(timesteps=timesteps)
+        for module_id, toolkit in self._stability.items():
+            stats = dict(toolkit.last_stats)
+            if self._last_routing.get(module_id):
+                stats.update(health_summary(self._last_routing.pop(module_id)))
+            self.metrics.log_dict(stats, key=module_id, window=1)
+
+    def get_state(self, *args, **kwargs):
+        state = super().get_state(*args, **kwargs)
+        state[STABILITY_STATE] = {mid: tk.get_state() for mid, tk in self._stability.items()}
+        state[KL_COEFFS] = {mid: v.detach().cpu().clone() for mid, v in self.curr_kl_coeffs_per_module.items()}
+        state[LR_SCALE] = self.lr_scale
+        return state
+
+    def set_state(self, state) -> None:
+        for mid, tk_state in state.get(STABILITY_STATE, {}).items():
+            self._stability[mid].set_state(tk_state)
+            self._set_expert_dropout(mid)
+        for mid, v in state.get(KL_COEFFS, {}).items():
+            self.curr_kl_coeffs_per_module[mid].data.copy_(torch.as_tensor(v))
+        self.lr_scale = float(state.get(LR_SCALE, self.lr_scale))
+        super().set_state({k: v for k, v in state.items() if k not in (STABILITY_STATE, KL_COEFFS, LR_SCALE)})
+
+    def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+        total = super().compute_loss_for_module(module_id=module_id, config=config, batch=batch,
+                                                fwd_out=fwd_out)
+        records = fwd_out.get(MOE_ROUTING)
+        if not records:
+            return total
+        s = config.moe_settings
+        extra, aux, z = moe_aux_losses(records, s["aux_loss_coef"], s["z_loss_coef"])
+        # window=1 like RLlib's own PPO loss stats: the values of the last minibatch. The health
+        # metrics (dozens of keys) are computed once per update from the last minibatch's routing.
+        self._last_routing[module_id] = [r.detach() for r in records]
+        stats = {"aux_loss": aux.detach(), "z_loss": z.detach()}
+        reinforce = [r for r in records if r.selection_logp is not None]
+        if reinforce:  # REINFORCE router: the PPO advantage is the routing reward
+            rl = sum(reinforce_router_loss(r, batch[Postprocessing.ADVANTAGES]) for r in reinforce)
+            extra = extra + s["reinforce_loss_coef"] * rl
+            stats["reinforce_router_loss"] = rl.detach()
+        if TIS_WEIGHT in batch:  # truncated importance sampling is on (moe_rl.rllib.correction)
+            w = batch[TIS_WEIGHT]
+            stats.update({"tis/mean_weight": w.mean(), "tis/truncated_share": (w >= config.consistency_settings[
+                "tis_cap"]).float().mean()})
+        self.metrics.log_dict(stats, key=module_id, window=1)
+        return total + extra
+
+    # --- weights, as the rest of the system sees them ---------------------------------------------
+    def plain_module(self, module_id):
+        m = self.module[module_id]
+        return m.unwrapped() if hasattr(m, "unwrapped") else m
+
+    def moe_module_ids(self) -> List[str]:
+        return [mid for mid in self.module.keys() if isinstance(self.plain_module(mid), MoEPolicyModule)]
+
+    def local_state(self, module_id, inference_only: bool = True) -> Dict[str, torch.Tensor]:
+        m = self.plain_module(module_id)
+        skip = tuple(m.get_non_inference_attributes()) if inference_only and isinstance(m, InferenceOnlyAPI) else ()
+        return {k: v for k, v in m.state_dict().items() if not (skip and k.split(".")[0] in skip)}
+
+    def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, np.ndarray]]:
+        """{module_id: {global name: array}}: this learner's part of the published weights. A
+        single learner (or one data-parallel replica of many) publishes everything."""
+        return {mid: {k: v.detach().cpu().numpy() for k, v in self.local_state(mid, inference_only).items()}
+                for mid in self.module.keys()}
+
+    def shard_digests(self, dtypes: Optional[Mapping[str, Mapping[str, str]]] = None, everything: bool = False,
+                      inference_only: bool = True):
+        """Digests of `shard()`, each tensor cast to the rollout copy's dtype (dtypes: module_id ->
+        name -> dtype name) so they compare bit for bit with the rollout actors' own digests."""
+        return {mid: state_digests(state, (dtypes or {}).get(mid))
+                for mid, state in self.shard(inference_only, everything).items()}
+
+    def weight_stats(self, reference: Mapping[str, Mapping[str, np.ndarray]]) -> Dict[str, Any]:
+        """Candidate vs `reference` (this learner's part of the last synced weights), computed here:
+        per module and parameter group [sum (new - old)^2, sum old^2] for the update size, and
+        whether every tensor this learner holds is finite."""
+        out: Dict[str, Any] = {"finite": True, "terms": {}}
+        for mid in self.module.keys():
+            out["finite"] &= all(bool(torch.isfinite(p).all()) for p in self.plain_module(mid).parameters())
+        for mid, state in self.shard().items():
+            terms = out["terms"].setdefault(mid, {})
+            for name, new in state.items():
+                old = reference.get(mid, {}).get(name)
+                if old is None or not np.issubdtype(np.asarray(new).dtype, np.floating):
+                    continue
+                a, b = np.asarray(old, dtype=np.float64), np.asarray(new, dtype=np.float64)
+                t = terms.setdefault(param_group(name), [0.0, 0.0])
+                t[0] += float(np.square(b - a).sum())
+                t[1] += float(np.square(a).sum())
+        return out
+
+    def load_shards(self, shards: List[Mapping[str, Mapping[str, Any]]], inference_only: bool = True) -> None:
+        """Load published shards (every learner's, module-keyed, global names), strictly: the
+        assembled keys must be exactly this module's published keys."""
+        expected = {mid: self.local_state(mid, inference_only).keys() for mid in self.module.keys()}
+        full = assemble_modules(shards, expected)
+        for mid, state in full.items():
+            own = self.plain_module(mid).state_dict()
+            with torch.no_grad():
+                for k, v in state.items():
+                    own[k].copy_(torch.as_tensor(np.asarray(v)))
+
+    def tensor(self, module_id: str, name: str) -> Optional[np.ndarray]:
+        return self.shard(inference_only=False, everything=True).get(module_id, {}).get(name)
+
+    # --- the trainer's view of rollout data -------------------------------------------------------
+    def trainer_view(self, data: Mapping[str, Mapping[str, Any]], replay: bool = False) -> Dict[str, Dict]:
+        """data: {module_id: {"obs", optional "actions", optional "topk"}} (numpy, batch-major).
+        forward_train, the real training path, with no gradient -> per module: action-dist inputs
+        (`logits`), top-k per MoE layer (`topk`), the greedy top-k margin per layer (`margin`) and,
+        given actions, their log-probs (`logp`)."""
+        out = {}
+        for mid, d in data.items():
+            module = self.plain_module(mid)
+            batch = {Columns.OBS: tree.map_structure(torch.as_tensor, d["obs"])}
+            if replay and d.get("topk") is not None:
+                batch[MOE_TOPK] = torch.as_tensor(d["topk"])
+            routers = [m for m in module.modules() if isinstance(m, Router)]
+            with torch.no_grad():
+                fwd = module.forward_train(batch)
+                logits = fwd[Columns.ACTION_DIST_INPUTS]
+                records = fwd[MOE_ROUTING]
+                view = {"logits": logits.float().numpy(), "topk": fwd[MOE_TOPK].numpy().astype(np.int16),
+                        "margin": torch.stack([r.top_k_margin(rec.router_logits) for r, rec in zip(routers, records)],
+                                              1).numpy() if records else np.zeros((len(logits), 0))}
+                if d.get("actions") is not None:
+                    dist = module.get_train_action_dist_cls().from_logits(logits)
+                    view["logp"] = dist.logp(torch.as_tensor(d["actions"])).double().numpy()
+            out[mid] = view
+        return out

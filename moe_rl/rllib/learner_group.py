@@ -1,0 +1,145 @@
+"""One learner-group interface for the algorithm and the sync gate.
+
+MoEPPO drives either RLlib's LearnerGroup (`MoELearnerGroup`: a local learner, or data-parallel
+learners under DDP) or the DeepSpeed expert-parallel group (actors.learner_group). Besides RLlib's
+update / get_state / set_state / save_to_path / restore_from_path, both offer:
+
+    foreach(fn, **kw) -> list         fn(learner, **kw) on every learner, plain results
+    publish_weights(inference_only)   per-learner shard refs, each {module_id: {global name: array}}
+    shard_digests(dtypes)             digests of the published parts, computed on the learners
+    replica_digests()                 every learner's digests of all it holds (replica check)
+    weight_stats(reference_refs)      update-size terms and finiteness vs the last synced shards
+    load_shards(refs, inference_only) weights only, from published shards (a replica resync)
+    trainer_view(data, replay)        the learners' own forward on rollout data
+    snapshot() / restore(snapshot)    the exact learner state (weights and optimizer moments)
+    set_lr_scale(s)                   every learner's LR scale (a rollback's retry)
+    tensor(module_id, name)           one tensor as every learner holds it (breach lines)
+    dead_learners(error) / rebuild()  failures (RLlib's own group restarts its learners itself)
+    memory_stats()                    per-learner figures for metrics.parquet
+    module_state(inference_only)      {module_id: full state}, assembled (tests, verification)
+
+The weights are always published in parts (learner i's part of every module), so the sync, the
+digests and the update-size terms are computed where the weights live; nobody gathers a model.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import ray
+from ray.rllib.core import COMPONENT_LEARNER
+from ray.rllib.core.learner.learner_group import LearnerGroup
+from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
+
+from moe_rl.core.sharding import assemble_modules
+
+
+def _sum_terms(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
+    finite, terms = True, {}
+    for p in parts:
+        finite &= bool(p["finite"])
+        for mid, groups in p["terms"].items():
+            for g, (a, b) in groups.items():
+                t = terms.setdefault(mid, {}).setdefault(g, [0.0, 0.0])
+                t[0] += a
+                t[1] += b
+    return {"finite": finite, "terms": terms}
+
+
+def _put_shard(learner, inference_only: bool):
+    return ray.put(learner.shard(inference_only))
+
+
+def _weight_stats(learner, refs):
+    return learner.weight_stats(ray.get(refs[learner_index(learner, len(refs))]))
+
+
+def _load_shards(learner, refs, inference_only):
+    learner.load_shards(ray.get(list(refs)), inference_only)
+
+
+def _set_lr_scale(learner, scale: float):
+    learner.lr_scale = float(scale)
+
+
+def learner_index(learner, n: int) -> int:
+    """Which published part is this learner's (its rank under torch.distributed, else 0)."""
+    import torch.distributed as dist
+    return min(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, n - 1)
+
+
+class LearnerGroupOps:
+    """The interface above, in terms of `foreach` and `publishers` (learners whose parts make up
+    the published weights)."""
+
+    def foreach(self, fn: Callable, **kwargs) -> List[Any]:
+        raise NotImplementedError
+
+    def publishers(self, fn: Callable, **kwargs) -> List[Any]:
+        raise NotImplementedError
+
+    def publish_weights(self, inference_only: bool = True) -> List[ray.ObjectRef]:
+        return self.publishers(_put_shard, inference_only=inference_only)
+
+    def shard_digests(self, dtypes: Optional[Mapping] = None) -> List[Dict[str, Dict]]:
+        return self.publishers(lambda l: l.shard_digests(dtypes))
+
+    def replica_digests(self) -> List[Dict[str, Dict]]:
+        return self.foreach(lambda l: l.shard_digests(everything=True, inference_only=False))
+
+    def weight_stats(self, reference_refs: List[ray.ObjectRef]) -> Dict[str, Any]:
+        return _sum_terms(self.publishers(_weight_stats, refs=reference_refs))
+
+    def load_shards(self, refs: List[ray.ObjectRef], inference_only: bool = True) -> None:
+        self.foreach(_load_shards, refs=refs, inference_only=inference_only)
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.foreach(_set_lr_scale, scale=scale)
+
+    def tensor(self, module_id: str, name: str) -> List[Any]:
+        return self.foreach(lambda l: l.tensor(module_id, name))
+
+    def module_state(self, inference_only: bool = True) -> Dict[str, Dict[str, Any]]:
+        """{module_id: full state}, assembled from every learner's part (tests, verification)."""
+        return assemble_modules(ray.get(self.publish_weights(inference_only)))
+
+    def moe_module_ids(self) -> List[str]:
+        return self.foreach(lambda l: l.moe_module_ids())[0]
+
+
+class MoELearnerGroup(LearnerGroupOps, LearnerGroup):
+    """RLlib's LearnerGroup with the interface above: one learner, or data-parallel replicas that
+    each hold everything (learner 0 publishes)."""
+
+    def foreach(self, fn, **kwargs):
+        out = []
+        for r in self.foreach_learner(fn, **kwargs):
+            if not r.ok:
+                raise r.get()
+            out.append(r.get())
+        return out
+
+    def publishers(self, fn, **kwargs):
+        if self.is_local:
+            return [fn(self._learner, **kwargs)]
+        first = self._worker_manager.actor_ids()[:1]
+        return [r.get() for r in self.foreach_learner(fn, remote_actor_ids=first, **kwargs)]
+
+    def trainer_view(self, data, replay: bool = False):
+        return self.publishers(lambda l: l.trainer_view(data, replay))[0]
+
+    def snapshot(self):
+        # A copy (get_state hands out the live tensors) without the weights' sequence number:
+        # Learner.set_state skips module weights whose number is not newer than its own.
+        state = copy.deepcopy(self.get_state())
+        state[COMPONENT_LEARNER].pop(WEIGHTS_SEQ_NO, None)
+        return state
+
+    def restore(self, snapshot) -> None:
+        self.set_state(snapshot)
+
+    def dead_learners(self, error=None) -> List[int]:
+        return []
+
+    def memory_stats(self) -> List[Dict[str, float]]:
+        return []

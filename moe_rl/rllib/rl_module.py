@@ -1,0 +1,125 @@
+"""MoEPolicyModule: RLlib TorchRLModule whose policy trunk is an MoE network.
+
+- Vector observations -> MoEMLPTrunk; {"tokens", "position"} observations -> MoETransformerTrunk.
+- The value function is a separate MLP on the raw observation: value passes never route tokens,
+  and the inference copy on the EnvRunners drops it (InferenceOnlyAPI).
+- The inference copy's numeric setup follows `moe.inference_dtype` (fp32 | bf16): a real source of
+  training-inference drift that the consistency checks must be able to see.
+- Every forward also returns MOE_TOPK [B, L, k] (small ints; a capacity-dropped assignment e is
+  stored as -(e + 1)): the EnvRunners store it per step as an extra model output, so the learner
+  can compute routing agreement and replay the routing.
+- Exploring rollouts (forward_exploration) let a sampling router (`reinforce`) draw its experts;
+  evaluation (forward_inference) routes greedily. Routing replay is on by default exactly where
+  the routing is not a function of the token alone (a sampling router, a capacity limit), so the
+  learner computes the policy the rollouts ran.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import gymnasium as gym
+import numpy as np
+import torch
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
+from ray.rllib.core.rl_module.torch import TorchRLModule
+from torch import nn
+
+from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk, mlp, policy_head
+from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
+
+MOE_TOPK = "moe_topk"          # [B, L, k] top-k experts per MoE layer, recorded at rollout time
+MOE_ROUTING = "moe_routing"    # list of RoutingRecord (train forward only; stays on the learner)
+TOKEN_OBS_KEYS = {"tokens", "position"}
+
+
+def topk_dtype(num_experts: int) -> torch.dtype:
+    """Smallest int type that holds an encoded expert index (-N..N-1): routing records can dominate
+    host memory."""
+    return torch.int8 if num_experts <= 128 else (torch.int16 if num_experts <= 32768 else torch.int32)
+
+
+def replays_routing(s: Dict[str, Any]) -> bool:
+    """moe.routing_replay resolved: "auto" replays where the rollout's routing is not a function of
+    the token alone (a sampling router, or a batch-dependent capacity limit)."""
+    if s["routing_replay"] == "auto":
+        return s["router"] == "reinforce" or s["capacity_factor"] is not None
+    return bool(s["routing_replay"])
+
+
+class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
+    @property
+    def moe_settings(self) -> Dict[str, Any]:
+        return validate_moe({**MOE_DEFAULTS, **self.model_config.get("moe", {})})
+
+    def setup(self):
+        s = self.moe_settings
+        obs_space = self.observation_space
+        self.is_token_policy = isinstance(obs_space, gym.spaces.Dict) and TOKEN_OBS_KEYS <= set(obs_space.spaces)
+        if self.is_token_policy:
+            vocab = int(obs_space["tokens"].high.max()) + 1
+            self.trunk = MoETransformerTrunk(vocab, s)
+            vf_in = int(np.prod(obs_space["tokens"].shape)) + 1
+        else:
+            obs_dim = int(np.prod(obs_space.shape))
+            self.trunk = MoEMLPTrunk(obs_dim, s, s["task_slice"])
+            vf_in = obs_dim
+        if isinstance(self.action_space, gym.spaces.Discrete):
+            self.pi = policy_head(s["policy_head"], s["d_model"], int(self.action_space.n))
+            self.log_std = None
+        else:
+            act_dim = int(np.prod(self.action_space.shape))
+            self.pi = policy_head(s["policy_head"], s["d_model"], act_dim)
+            self.log_std = nn.Parameter(torch.zeros(act_dim))
+        if not self.inference_only:
+            self.vf = mlp([vf_in, *s["vf_hiddens"]], 1)
+        self.replay_routing = replays_routing(s)
+        self.topk_dtype = topk_dtype(s["num_experts"])
+        self.compute_dtype = torch.float32
+        if self.inference_only and s["inference_dtype"] == "bf16":
+            self.compute_dtype = torch.bfloat16
+            self.trunk.to(torch.bfloat16)
+            self.pi.to(torch.bfloat16)
+
+    # --- InferenceOnlyAPI -------------------------------------------------------------------------
+    def get_non_inference_attributes(self) -> List[str]:
+        return ["vf"]
+
+    # --- forward passes ---------------------------------------------------------------------------
+    def _trunk_input(self, obs):
+        if self.is_token_policy:
+            return obs
+        return obs.to(self.compute_dtype)
+
+    def _policy(self, batch: Dict[str, Any], replay=None, explore: bool = False):
+        features, records = self.trunk(self._trunk_input(batch[Columns.OBS]), replay, explore)
+        logits = self.pi(features).float()
+        if self.log_std is not None:
+            logits = torch.cat([logits, self.log_std.float().expand_as(logits)], -1)
+        return logits, records
+
+    def _forward(self, batch: Dict[str, Any], explore: bool = False, **kwargs) -> Dict[str, Any]:
+        obs = batch[Columns.OBS]
+        if not self.is_token_policy and torch.is_floating_point(obs):
+            # A NaN/Inf observation must not crash the rollout actor (NaN action probabilities);
+            # it acts on zeros here and its episode is dropped before learning (moe_rl.core.sample_filter).
+            batch = {**batch, Columns.OBS: torch.nan_to_num(obs, nan=0.0, posinf=0.0, neginf=0.0)}
+        logits, records = self._policy(batch, explore=explore)
+        topk = torch.stack([r.encoded_top_k() for r in records], 1).to(self.topk_dtype)
+        return {Columns.ACTION_DIST_INPUTS: logits, MOE_TOPK: topk}
+
+    def _forward_exploration(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
+        return self._forward(batch, explore=True)
+
+    def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
+        replay = batch.get(MOE_TOPK) if self.replay_routing else None
+        logits, records = self._policy(batch, replay)
+        return {Columns.ACTION_DIST_INPUTS: logits, MOE_ROUTING: records,
+                MOE_TOPK: torch.stack([r.encoded_top_k() for r in records], 1)}
+
+    # --- ValueFunctionAPI -------------------------------------------------------------------------
+    def compute_values(self, batch: Dict[str, Any], embeddings=None):
+        obs = batch[Columns.OBS]
+        if self.is_token_policy:
+            obs = torch.cat([obs["tokens"].float(), obs["position"].float().reshape(-1, 1)], -1)
+        return self.vf(obs.float().reshape(obs.shape[0], -1)).squeeze(-1)

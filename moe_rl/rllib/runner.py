@@ -1,0 +1,48 @@
+"""What runs on a rollout actor (an RLlib EnvRunner) for the weight sync and the checks.
+
+The functions take the runner as their first argument, as EnvRunnerGroup.foreach_env_runner calls
+them: load the learners' published parts (strictly), digest the copy it holds, hand out one tensor.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import ray
+from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
+from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
+from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
+
+from moe_rl.core.digests import state_digests, state_dtypes
+from moe_rl.core.sharding import assemble_modules
+
+
+def runner_modules(runner) -> Dict[str, Any]:
+    """{module_id: RLModule} of the copy this runner samples with."""
+    module = runner.module
+    if isinstance(module, MultiRLModule):
+        return dict(module.items())
+    return {DEFAULT_MODULE_ID: module}
+
+
+def load_shards_into_runner(runner, shard_refs: List[ray.ObjectRef], version: int, force: bool = False) -> None:
+    """Assemble the learners' published parts per module and load them, strictly (a missing,
+    unknown or duplicated tensor is an error, never a silent partial load). The copy takes the
+    version number of the sync; `force` reloads the version it already has (a repair: RLlib skips
+    a state whose version is not newer than the runner's)."""
+    modules = runner_modules(runner)
+    full = assemble_modules(ray.get(list(shard_refs)), {mid: m.state_dict().keys() for mid, m in modules.items()})
+    state = full if isinstance(runner.module, MultiRLModule) else full[DEFAULT_MODULE_ID]
+    runner.set_state({COMPONENT_RL_MODULE: state} if force else {COMPONENT_RL_MODULE: state, WEIGHTS_SEQ_NO: version})
+
+
+def runner_digests(runner) -> Dict[str, Dict]:
+    return {mid: state_digests(m.state_dict()) for mid, m in runner_modules(runner).items()}
+
+
+def runner_dtypes(runner) -> Dict[str, Dict[str, str]]:
+    return {mid: state_dtypes(m.state_dict()) for mid, m in runner_modules(runner).items()}
+
+
+def runner_tensor(runner, module_id: str, name: str):
+    t = runner_modules(runner)[module_id].state_dict().get(name)
+    return None if t is None else t.detach().float().cpu().numpy()

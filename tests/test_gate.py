@@ -1,0 +1,240 @@
+"""The sync gate: decisions matched to causes (pure), and every injected fault caught at the first
+check after it and recovered from, on real Ray, RLlib and DeepSpeed (moe_rl.algo.faults)."""
+import numpy as np
+import pytest
+import ray
+import torch
+
+from actors.consistency import probe_flip_rate
+from moe_rl import MoEPPOConfig
+from moe_rl.algo import faults
+from moe_rl.algo.sync_gate import GateStop
+from moe_rl.core.digests import differing, state_digests, tensor_digest
+from moe_rl.core.gate import GateState, RelativeLimit, validate_consistency
+
+# --- pure: the decisions ---------------------------------------------------------------------------
+
+
+def gate(**kw):
+    return GateState(validate_consistency({"relative_warmup": 3, **kw}))
+
+
+def test_relative_limit_waits_for_history_and_keeps_a_floor():
+    lim = RelativeLimit(z=8, warmup=3, window=10, floor=0.02)  # probe_flip_rate's floor
+    for v in (0.0, 0.0):
+        lim.accept(v)
+    assert lim.limit() is None
+    lim.accept(0.0)
+    assert lim.limit() == pytest.approx(8 * 0.02)       # a flat history is not a hair trigger
+    for v in (1.0, 1.1, 0.9, 1.0, 1.05):
+        lim.accept(v)
+    assert 1.0 < lim.limit() < 10.0
+
+
+def test_healthy_history_passes_and_a_harmful_update_is_flagged():
+    """Figures of the quickstart's drift.parquet (update size of the expert group, KL old->new on
+    the probe set) and of an injected LR x 1000 step."""
+    g = gate()
+    for size, kl in ((0.077, 0.039), (0.055, 0.025), (0.046, 0.015), (0.039, 0.008), (0.040, 0.005)):
+        row = {"p|update_size/experts": size, "p|k3_old_new": kl}
+        assert g.update_breaches(row, lag=1) == []
+        g.accept(row, lag=1)
+    assert g.update_breaches({"p|update_size/experts": 0.03, "p|k3_old_new": 0.04}, 1) == []
+    found = g.update_breaches({"p|update_size/experts": 3.9, "p|k3_old_new": 175.0}, 1)
+    assert [k for k, _, _ in found] == ["p|update_size/experts", "p|k3_old_new"]
+    assert all(limit < 0.3 for _, _, limit in found)
+    # Three updates ahead of the last good weights (a hold): the limits scale with the lag.
+    assert g.update_breaches({"p|update_size/experts": 0.3}, 3) == []
+
+
+def test_mismatch_is_reported_and_never_stalls():
+    for policy in ("warn", "hold", "rollback"):
+        v = gate(policy=policy).decide(finite=True, bad_update=[], mismatch=[("k3", 0.1, 1e-3)], corrupt=[],
+                                       replicas=[])
+        assert (v.decision, v.causes, v.actions) == ("sync", ["mismatch"], ["report"])
+        assert "k3=0.1 (threshold=0.001)" in v.reason
+
+
+def test_hold_escalates_to_rollback_and_rollbacks_to_a_stop():
+    bad = [("update_size/router", 5.0, 0.1)]
+    g = gate(policy="hold", max_holds=2, max_rollbacks=2, rollback_lr_scale=0.5)
+    decisions = [g.decide(finite=True, bad_update=bad, mismatch=[], corrupt=[], replicas=[]) for _ in range(9)]
+    assert [v.decision for v in decisions] == ["hold", "hold", "rollback"] * 2 + ["hold", "hold", "stop"]
+    assert [v.lr_scale for v in decisions[2::3]] == [0.5, 0.25, 0.25]     # the retries run slower
+    ok = g.decide(finite=True, bad_update=[], mismatch=[], corrupt=[], replicas=[])
+    assert ok.decision == "sync" and ok.lr_scale == 1.0 and g.holds_in_a_row == g.rollbacks_in_a_row == 0
+
+
+def test_warn_syncs_a_bad_update_but_never_nonfinite_weights():
+    g = gate(policy="warn")
+    assert g.decide(finite=True, bad_update=[("k3_old_new", 9.0, 0.1)], mismatch=[], corrupt=[],
+                    replicas=[]).decision == "warn"
+    v = g.decide(finite=False, bad_update=[], mismatch=[], corrupt=[], replicas=[])
+    assert v.decision == "rollback" and "not finite" in v.reason
+
+
+def test_corrupt_copies_and_replicas_have_their_own_actions():
+    v = gate(policy="rollback").decide(finite=True, bad_update=[], mismatch=[], corrupt=["actor 1: w"],
+                                       replicas=["learner 1 vs learner 0: b"])
+    assert v.decision == "sync" and v.actions == ["repair", "resync"]
+    assert v.causes == ["corrupt_copy", "replica_divergence"]
+
+
+def test_gate_state_round_trips():
+    g = gate()
+    for x in (0.1, 0.2, 0.3, 0.4):
+        g.accept({"p|k3_old_new": x}, 1)
+    g.decide(finite=True, bad_update=[("x", 1.0, 0.1)], mismatch=[], corrupt=[], replicas=[])
+    h = gate()
+    h.set_state(g.get_state())
+    assert h.get_state() == g.get_state()
+    assert h.update_breaches({"p|k3_old_new": 50.0}, 1) == g.update_breaches({"p|k3_old_new": 50.0}, 1) != []
+
+
+def test_probe_flips_count_only_above_the_margin():
+    old = {"topk": np.array([[[0, 1]], [[2, 3]], [[0, 1]]]).reshape(3, 1, 2), "margin": np.array([[1e-4], [0.5], [0.5]])}
+    new = {"topk": np.array([[[2, 3]], [[0, 1]], [[1, 0]]]).reshape(3, 1, 2), "margin": np.zeros((3, 1))}
+    # token 0 flipped at a tiny margin (near-uniform router): not counted; token 1 counted;
+    # token 2 kept its set (order does not matter).
+    assert probe_flip_rate(old, new, margin=0.05) == pytest.approx(1 / 3)
+    assert probe_flip_rate(old, new, margin=0.0) == pytest.approx(2 / 3)
+
+
+def test_digests_are_exact_in_the_rollout_dtype():
+    w = torch.randn(64, 64)
+    assert tensor_digest(w, torch.bfloat16) == tensor_digest(w.to(torch.bfloat16))
+    assert tensor_digest(w) != tensor_digest(w.to(torch.bfloat16))
+    w2 = w.clone()
+    w2[3, 3] += 1e-6
+    assert differing(state_digests({"a": w, "b": w}), state_digests({"a": w, "b": w2})) == ["b"]
+    assert differing(state_digests({"a": w}), state_digests({"a": w, "c": w})) == ["c"]
+
+
+# --- the fault matrix on real Ray ------------------------------------------------------------------
+
+def config(learners=0, policy="warn", **consistency):
+    return (MoEPPOConfig().environment("CartPole-v1")
+            .env_runners(num_env_runners=1, num_envs_per_env_runner=4)
+            .training(lr=1e-3, train_batch_size_per_learner=500, minibatch_size=125, num_epochs=2,
+                      vf_loss_coeff=0.5, vf_clip_param=1000.0)
+            .learners(num_learners=learners)
+            .moe(num_experts=4, top_k=2, ep_size=2 if learners else 1, d_model=16, d_ff=16)
+            .consistency(policy=policy, sample_size=256, relative_warmup=3, **consistency)
+            .debugging(seed=0))
+
+
+def run(algo, iterations, inject_at=None, fault=None):
+    rows = []
+    for i in range(iterations):
+        if i == inject_at:
+            faults.inject(algo, fault)
+        algo.train()
+        rows.append(algo.sync_gate.rows[-1])
+    return rows
+
+
+def synced_equals_learners(algo) -> bool:
+    live = algo.learner_group.module_state()["default_policy"]
+    synced = ray.get(algo.synced_refs[0])["default_policy"]
+    return all(np.array_equal(live[k], synced[k]) for k in synced)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["warn", "hold", "rollback"])
+def test_a_healthy_run_sees_no_gate_action(ray_local, policy):
+    algo = config(policy=policy).build_algo()
+    try:
+        rows = run(algo, 8)
+        assert [r["action"] for r in rows] == [""] * 8, [r["reason"] for r in rows]
+        assert algo.weights_version == 9   # every update reached the rollouts
+    finally:
+        algo.stop()
+
+
+@pytest.mark.slow
+def test_corrupt_rollout_copy_is_repaired_at_the_first_check(ray_local):
+    algo = config(policy="warn").build_algo()
+    try:
+        rows = run(algo, 6, inject_at=4, fault=faults.CorruptRolloutCopy(delta=0.5))
+        assert [r["cause"] for r in rows] == ["", "", "", "", "corrupt_copy", ""]
+        assert "max_diff=0.5 (threshold=0)" in rows[4]["param_breach_lines"] and rows[4]["repairs"] == 1
+        assert rows[4]["decision"] == "sync" and algo.sync_gate._corrupt_copies() == {}
+    finally:
+        algo.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["warn", "hold"])
+def test_nonfinite_candidate_never_reaches_the_rollouts(ray_local, policy):
+    algo = config(policy=policy).build_algo()
+    try:
+        rows = run(algo, 6, inject_at=4, fault=faults.NonFiniteCandidate())
+        assert rows[4]["decision"] == "rollback" and rows[4]["weights_finite"] is False
+        assert rows[5]["decision"] == "sync" and rows[5]["lr_scale_next"] == 1.0
+        assert synced_equals_learners(algo)
+    finally:
+        algo.stop()
+
+
+@pytest.mark.slow
+def test_harmful_update_is_rolled_back_exactly_with_a_slower_retry(ray_local):
+    algo = config(policy="rollback").build_algo()
+    try:
+        run(algo, 5)
+        before = algo.learner_group.snapshot()["learner"]
+        rows = run(algo, 1, inject_at=0, fault=faults.HarmfulUpdate(factor=1000))
+        assert rows[0]["decision"] == "rollback" and rows[0]["cause"] == "bad_update"
+        assert "k3_old_new" in rows[0]["reason"] and rows[0]["lr_scale_next"] == 0.5
+        after = algo.learner_group.snapshot()["learner"]   # weights and Adam moments as before, exactly
+        for mid, w in before["rl_module"].items():
+            assert all(np.array_equal(w[k], after["rl_module"][mid][k]) for k in w)
+        for name, opt in before["optimizer"].items():
+            for pid, st in opt["state"]["state"].items():
+                got = after["optimizer"][name]["state"]["state"][pid]
+                assert all(np.array_equal(np.asarray(st[k]), np.asarray(got[k])) for k in st)
+        rows = run(algo, 1)
+        assert rows[0]["decision"] == "sync" and rows[0]["lr_scale_next"] == 1.0
+    finally:
+        algo.stop()
+
+
+@pytest.mark.slow
+def test_hold_keeps_rollouts_on_last_good_then_escalates(ray_local):
+    algo = config(policy="hold", max_holds=2).build_algo()
+    try:
+        rows = run(algo, 8, inject_at=4, fault=faults.HarmfulUpdate(factor=1000))
+        decisions = [r["decision"] for r in rows[4:]]
+        assert decisions[:3] == ["hold", "hold", "rollback"] and decisions[3] == "sync"
+        assert [r["lag_versions"] for r in rows[4:7]] == [0, 1, 2]   # lag is reported, never mismatch
+        assert all(r["cause"] == "bad_update" for r in rows[4:7])
+        assert synced_equals_learners(algo)
+    finally:
+        algo.stop()
+
+
+@pytest.mark.slow
+def test_repeated_rollbacks_stop_the_run_cleanly(ray_local):
+    algo = config(policy="rollback", max_rollbacks=1).build_algo()
+    try:
+        run(algo, 4)
+        faults.inject(algo, faults.NonFiniteCandidate())
+        algo.train()                                   # the first rollback
+        faults.inject(algo, faults.NonFiniteCandidate())
+        with pytest.raises(GateStop, match="not finite.*--resume"):
+            algo.train()
+        assert synced_equals_learners(algo)            # stopped holding the last good weights
+    finally:
+        algo.stop()
+
+
+@pytest.mark.slow
+def test_replica_divergence_is_resynced_under_expert_parallelism(ray_local):
+    algo = config(learners=2, policy="rollback").build_algo()
+    try:
+        rows = run(algo, 5, inject_at=3, fault=faults.PerturbReplica(rank=1, delta=0.01))
+        assert rows[3]["cause"] == "replica_divergence" and rows[3]["action"] == "resync"
+        assert "learner 1 vs learner 0: trunk.blocks.0.moe.router.gate.weight: max_diff=0.01" in rows[3][
+            "param_breach_lines"]
+        assert rows[4]["cause"] == "" and algo.sync_gate._check_replicas() == []
+    finally:
+        algo.stop()
