@@ -40,6 +40,18 @@ def probe_flip_rate(old: Dict[str, np.ndarray], new: Dict[str, np.ndarray], marg
     return float(np.mean(rates)) if rates else 0.0
 
 
+def k3_by_expert(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, topk) -> Dict[int, Dict[int, float]]:
+    """K3 grouped by the experts each token used at rollout, per layer ({layer: {expert: K3}}):
+    one drifting expert shows even when the batch mean hides it."""
+    log_r = trainer_logp.double() - rollout_logp.double()
+    k3 = log_r.exp() - 1 - log_r
+    out: Dict[int, Dict[int, float]] = {}
+    for layer, chosen in enumerate(_layers(topk)):
+        experts = decode_top_k(chosen)[0]
+        out[layer] = {int(e): float(k3[(experts == e).any(-1)].mean()) for e in torch.unique(experts).tolist()}
+    return out
+
+
 class ConsistencyActor:
     def __init__(self, settings: Dict[str, Any], discrete: Dict[str, bool]):
         self.s = settings
@@ -68,6 +80,12 @@ class ConsistencyActor:
             by_pos = drift_by_position(t, r, torch.as_tensor(rollout["positions"]), self.s["position_bins"])
             row["k3_by_position"] = json.dumps({b: m["k3"] for b, m in by_pos.items()})
         row.update(routing_agreement(_layers(trainer["topk"]), _layers(rollout["topk"])))
+        by_expert = k3_by_expert(t, r, rollout["topk"])
+        if by_expert:
+            row["k3_by_expert"] = json.dumps(by_expert)
+            where, worst = max(((f"layer{l}/e{e}", v) for l, d in by_expert.items() for e, v in d.items()),
+                               key=lambda kv: kv[1])
+            row["k3_expert_max"], row["k3_expert_max_at"] = worst, where
 
     def check(self, *, iteration: int, version: int, lag: int, rollout: Dict[str, Dict[str, Any]],
               trainer: Dict[str, Dict[str, Any]], stats: Dict[str, Any], candidate_view: Dict[str, Dict[str, Any]],

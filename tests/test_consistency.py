@@ -63,7 +63,7 @@ def test_bad_consistency_settings_name_the_field():
                             ({"thresholds": {"k9": 1}}, "consistency.thresholds.k9"),
                             ({"thresholds": {"routing_agreement": 1.5}}, "consistency.thresholds.routing_agreement"),
                             ({"thresholds": {"k3": -1}}, "consistency.thresholds.k3"),
-                            ({"tis_cap": 0.5}, "consistency.tis_cap"), ({"max_holds": 0}, "consistency.max_holds"),
+                            ({"correction": {"preset": "tis"}}, "consistency.correction.preset"), ({"max_holds": 0}, "consistency.max_holds"),
                             ({"rollback_lr_scale": 0}, "consistency.rollback_lr_scale"),
                             ({"nope": 1}, "consistency.nope")]:
         with pytest.raises(ConfigError, match=f"^{field}: "):
@@ -191,15 +191,21 @@ def test_wrong_expert_mapping_on_a_rollout_actor_is_named_and_repaired(ray_local
         algo.stop()
 
 
-def test_tis_reweights_advantages_and_is_reported(ray_local):
-    """TIS on: the learner's PPO ratio is taken against its own pre-update log-probs, advantages
-    carry min(pi_train/pi_inf, C); with a bf16 copy the weights differ from 1 but stay <= C."""
-    algo = config(ep_size=1, inference_dtype="bf16").consistency(tis_cap=1.5).build_algo()
+@pytest.mark.parametrize("preset", ["token_is", "geo_rs_veto"])
+def test_rollout_correction_reweights_and_rejects_and_is_reported(ray_local, preset):
+    """A bf16 copy: the learner's old log-probs differ from the rollout's, the IS weights differ
+    from 1 but stay <= C, RS rejects some steps, and the same ledger measures the mismatch."""
+    algo = config(ep_size=1, inference_dtype="bf16").consistency(
+        correction={"preset": preset, "rs_threshold": 1.0001}).build_algo()
     try:
         learner = algo.train()["learners"]["default_policy"]
-        assert 0.5 < learner["tis/mean_weight"] <= 1.5 and learner["tis/mean_weight"] != 1.0
-        assert 0.0 <= learner["tis/truncated_share"] <= 1.0
-        assert algo.sync_gate.rows[-1]["k3"] > 0  # the same ledger measures the mismatch
+        assert 0.0 < learner["correction/k3"] and algo.sync_gate.rows[-1]["k3"] > 0
+        if preset == "token_is":
+            assert 0.5 < learner["correction/is_mean"] <= 2.0 and learner["correction/is_max"] <= 2.0
+            assert learner["correction/rejected_fraction"] == 0.0
+        else:
+            assert 0.0 < learner["correction/rejected_fraction"] < 1.0
+            assert learner["correction/is_mean"] == 1.0 and "correction/veto_fraction" in learner
     finally:
         algo.stop()
 
@@ -211,3 +217,19 @@ def test_drift_study_reports_k3_by_length(ray_local, tmp_path):
     assert all(r["k3"] > 0 for r in rows)  # bf16 inference copy: measurable, non-zero
     assert pq.read_table(tmp_path / "drift_study.parquet").num_rows == 2
     assert (tmp_path / "drift_study.svg").read_text().startswith("<svg")
+
+
+@pytest.mark.parametrize("moe", [{"router": "sinkhorn"}, {"router": "reinforce"}, {"router": "bias"},
+                                 {"capacity_factor": 1.0}, {"router": "reinforce", "capacity_factor": 1.0}])
+def test_every_router_and_capacity_option_is_consistent_by_construction(ray_local, moe):
+    """Batch-dependent and sampled routing choices are replayed or made batch-independent, so in
+    fp32 the learner computes exactly what the rollout copy ran (8 tokens per call vs 100-token
+    minibatches)."""
+    algo = config(ep_size=1, **moe).build_algo()
+    try:
+        for _ in range(3):
+            algo.train()
+        for row in algo.sync_gate.rows:
+            assert row["routing_agreement"] == 1.0 and abs(row["k3"]) <= 1e-6, (moe, row["iteration"])
+    finally:
+        algo.stop()

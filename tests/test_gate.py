@@ -1,5 +1,7 @@
 """The sync gate: decisions matched to causes (pure), and every injected fault caught at the first
 check after it and recovered from, on real Ray, RLlib and DeepSpeed (moe_rl.algo.faults)."""
+import math
+
 import numpy as np
 import pytest
 import ray
@@ -238,3 +240,13 @@ def test_replica_divergence_is_resynced_under_expert_parallelism(ray_local):
         assert rows[4]["cause"] == "" and algo.sync_gate._check_replicas() == []
     finally:
         algo.stop()
+
+
+def test_k3_by_expert_shows_the_drifting_expert():
+    from actors.consistency import k3_by_expert
+    topk = np.array([[[0, 1]], [[0, 2]], [[3, 1]], [[3, 2]]])          # 4 tokens, 1 layer, top-2
+    rollout = torch.zeros(4)
+    trainer = torch.tensor([0.0, 0.0, math.log(2.0), math.log(2.0)])  # only tokens through expert 3 drift
+    got = k3_by_expert(trainer, rollout, topk)[0]
+    assert got[0] == 0.0 and got[3] == pytest.approx(2 - 1 - math.log(2))
+    assert got[1] == pytest.approx((2 - 1 - math.log(2)) / 2)

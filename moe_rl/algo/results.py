@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from moe_rl.core.metrics import GRADES
 
 LEARNER_KEYS = ("policy_loss", "vf_loss", "entropy", "mean_kl_loss", "aux_loss", "z_loss")
-LEARNER_PREFIXES = ("moe/", "stability/", "tis/", "reinforce_router_loss")
+LEARNER_PREFIXES = ("moe/", "stability/", "correction/", "reinforce_router_loss")
 
 
 def _float(v) -> float:

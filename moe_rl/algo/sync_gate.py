@@ -128,7 +128,8 @@ class SyncGate:
                                f"repairs ({mid}: {name}); the run stays resumable: moe-rl train --resume RUN_DIR")
             self.repairs += 1
             algo.push_synced_weights(runner_ids=list(bad), force=True)
-            logger.warning("moe-rl gate: iteration %d repair (corrupt_copy): %s", algo.iteration + 1, lines[0])
+            logger.warning("moe-rl gate: iteration %d repair (corrupt_copy): %s%s", algo.iteration + 1, lines[0],
+                           f" (+{len(lines) - 1} more tensors)" if len(lines) > 1 else "")
         return lines
 
     def _corrupt_copies(self) -> Dict[Any, Dict[str, List[str]]]:
@@ -175,10 +176,11 @@ class SyncGate:
             replicas=replicas, repairs=self.repairs))
         self.rows.extend(result["rows"])
         verdict = result["verdict"]
-        acted = [a for a in verdict["actions"] if a != "repair"]   # repairs were logged when made
-        if acted:
-            logger.warning("moe-rl gate: iteration %d %s (%s): %s", algo.iteration + 1, ";".join(acted),
-                           ";".join(c for c in verdict["causes"] if c != "corrupt_copy"), verdict["reason"])
+        causes = [c for c in verdict["causes"] if c != "corrupt_copy"]   # repairs were logged when made
+        if causes:   # one line; every breach and per-tensor line is in the ledger (drift.parquet)
+            logger.warning("moe-rl gate: iteration %d %s (%s): %s", algo.iteration + 1,
+                           ";".join(a for a in verdict["actions"] if a != "repair"), ";".join(causes),
+                           "; ".join(verdict["headlines"][c] for c in causes))
         decision = verdict["decision"]
         if decision in ("rollback", "stop"):
             algo.restore_last_good()

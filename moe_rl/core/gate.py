@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from moe_rl.core.correction import resolve_correction
 from moe_rl.core.errors import ConfigError, need
 
 POLICIES = ("warn", "hold", "rollback")
@@ -63,7 +64,7 @@ CONSISTENCY_DEFAULTS: Dict[str, Any] = {
     "probe_size": 256,        # fixed probe observations kept for the whole run
     "position_bins": [8, 16, 32, 64, 128, 256, 512, 1024],
     "ledger_path": None,      # RUN_DIR/drift.parquet (the CLI sets it)
-    "tis_cap": None,          # shorthand for correction: {is: token, is_threshold: C}
+    "correction": {},         # rollout correction: IS / RS / veto / routing RS (moe_rl.core.correction)
 }
 ABSOLUTE_KEYS = tuple(MISMATCH_LIMITS) + tuple(UPDATE_SIGNALS)
 
@@ -104,8 +105,8 @@ def validate_consistency(c: dict) -> dict:
          "consistency.position_bins", "an ascending list of ints >= 1", bins)
     need(c["ledger_path"] is None or isinstance(c["ledger_path"], str), "consistency.ledger_path",
          "null or a file path", c["ledger_path"])
-    need(c["tis_cap"] is None or (num(c["tis_cap"]) and c["tis_cap"] >= 1), "consistency.tis_cap",
-         "None or a number >= 1", c["tis_cap"])
+    need(isinstance(c["correction"], dict), "consistency.correction", "a mapping", c["correction"])
+    c["correction"] = resolve_correction(c["correction"])
     return c
 
 
@@ -162,6 +163,7 @@ class Verdict:
     reasons: List[str] = field(default_factory=list)   # one line per cause: metric, value, threshold
     lr_scale: float = 1.0               # for the next update (a rollback's retry runs slower)
     reason: str = ""                    # the reasons, one line
+    headlines: Dict[str, str] = field(default_factory=dict)   # cause -> its worst breach (the log line)
 
     def __post_init__(self):
         self.reason = "; ".join(self.reasons)
@@ -217,22 +219,28 @@ class GateState:
                mismatch: List[Tuple[str, float, float]], corrupt: List[str], replicas: List[str]) -> Verdict:
         policy = self.s["policy"]
         v = Verdict("sync")
+        heads = v.headlines
         if mismatch:
             v.causes.append("mismatch")
             v.actions.append("report")
             v.reasons.append("mismatch " + _fmt(mismatch))
+            heads["mismatch"] = _fmt([_worst(mismatch)])
             self.counts["mismatch_reports"] += 1
         if corrupt:
             v.causes.append("corrupt_copy")
             v.actions.append("repair")
             v.reasons.append("corrupt rollout copy: " + "; ".join(corrupt[:3]))
+            heads["corrupt_copy"] = corrupt[0]
         if replicas:
             v.causes.append("replica_divergence")
             v.actions.append("resync")
             v.reasons.append("replica divergence: " + "; ".join(replicas[:3]))
+            heads["replica_divergence"] = replicas[0]
         if not finite or bad_update:
             v.causes.append("bad_update")
             v.reasons.append("bad update " + ("candidate weights are not finite" if not finite else _fmt(bad_update)))
+            heads["bad_update"] = "candidate weights are not finite" if not finite else _fmt([_worst(bad_update)]) + (
+                f" (+{len(bad_update) - 1} more)" if len(bad_update) > 1 else "")
             if not finite:
                 v.decision = "rollback"             # nothing can train on from NaN weights
             elif policy == "warn":
@@ -266,6 +274,11 @@ class GateState:
         self.holds_in_a_row = int(state.get("holds_in_a_row", 0))
         self.rollbacks_in_a_row = int(state.get("rollbacks_in_a_row", 0))
         self.counts.update(state.get("counts", {}))
+
+
+def _worst(found: List[Tuple[str, float, float]]) -> Tuple[str, float, float]:
+    """The breach furthest past its threshold (by ratio; an agreement below its floor counts too)."""
+    return max(found, key=lambda b: b[1] / b[2] if b[1] > b[2] and b[2] > 0 else (b[2] / max(b[1], 1e-12)))
 
 
 def _fmt(found: List[Tuple[str, float, float]]) -> str:

@@ -96,12 +96,14 @@ def layer_health(record: RoutingRecord) -> Dict[str, float]:
     """Scalar health metrics of one layer's routing record (the router's own choice)."""
     out = balance_metrics(expert_counts(record.router_top_k, record.num_experts))
     out.update(router_entropy(record.router_probs))
+    # Under routing replay: the share of tokens whose own choice left the replayed experts.
+    out["replay_divergence"] = flip_rate(record.top_k_indices, record.router_top_k)
     return out
 
 
 # How the per-layer values fold into the headline "worst layer" value.
 WORST_OF = {"min_util": min, "max_util": max, "cv": max, "active_experts": min,
-            "health": max, "router_entropy": min, "router_entropy_norm": min}
+            "health": max, "router_entropy": min, "router_entropy_norm": min, "replay_divergence": max}
 
 
 def per_expert(record: RoutingRecord) -> Dict[str, float]:

@@ -18,6 +18,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
+from moe_rl.core.correction import active, correct, resolve_correction, sequence_ids
 from moe_rl.core.digests import state_digests
 from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss
 from moe_rl.core.metrics import health_summary
@@ -25,7 +26,7 @@ from moe_rl.core.param_groups import param_group
 from moe_rl.core.routers import Router, balance_step
 from moe_rl.core.sharding import assemble_modules
 from moe_rl.core.stability import StabilityToolkit, expert_dropout_at, set_expert_dropout, validate_stability
-from moe_rl.rllib.correction import TIS_WEIGHT, TruncatedImportanceSampling
+from moe_rl.rllib.correction import RolloutCorrection, routing_flags
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 
 STABILITY_STATE = "moe_rl_stability"
@@ -42,10 +43,11 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         self.grad_hooks: List[Callable] = []
         self.lr_scale = 1.0   # < 1 for the retry after a sync-gate rollback
         super().build()
-        cap = self.config.consistency_settings.get("tis_cap")
-        if cap is not None and self._learner_connector is not None:
-            # After PPO's GAE (appended by super().build()): reweights advantages, re-bases the ratio.
-            self._learner_connector.append(TruncatedImportanceSampling(cap=cap))
+        self.correction = resolve_correction(self.config.consistency_settings.get("correction"))
+        if active(self.correction) and self.correction["mode"] == "decoupled" and self._learner_connector is not None:
+            # After PPO's GAE (appended by super().build()): reweights advantages, re-bases the
+            # ratio on the learner's own old policy, masks rejected steps.
+            self._learner_connector.append(RolloutCorrection(settings=self.correction))
 
     # --- optimizer and the stability toolkit -----------------------------------------------------
     def make_toolkit(self, module_id) -> StabilityToolkit:
@@ -133,9 +135,11 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         super().set_state({k: v for k, v in state.items() if k not in (STABILITY_STATE, KL_COEFFS, LR_SCALE)})
 
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
+        records = fwd_out.get(MOE_ROUTING)
+        if records and self.correction["mode"] == "bypass" and active(self.correction):
+            self._bypass_rejection(module_id, batch, fwd_out, records)
         total = super().compute_loss_for_module(module_id=module_id, config=config, batch=batch,
                                                 fwd_out=fwd_out)
-        records = fwd_out.get(MOE_ROUTING)
         if not records:
             return total
         s = config.moe_settings
@@ -149,12 +153,21 @@ class MoEPPOTorchLearner(PPOTorchLearner):
             rl = sum(reinforce_router_loss(r, batch[Postprocessing.ADVANTAGES]) for r in reinforce)
             extra = extra + s["reinforce_loss_coef"] * rl
             stats["reinforce_router_loss"] = rl.detach()
-        if TIS_WEIGHT in batch:  # truncated importance sampling is on (moe_rl.rllib.correction)
-            w = batch[TIS_WEIGHT]
-            stats.update({"tis/mean_weight": w.mean(), "tis/truncated_share": (w >= config.consistency_settings[
-                "tis_cap"]).float().mean()})
         self.metrics.log_dict(stats, key=module_id, window=1)
         return total + extra
+
+    def _bypass_rejection(self, module_id, batch, fwd_out, records) -> None:
+        """Bypass mode (rollout = old): token rejection from the current policy against the
+        rollout's log-probs, as a loss mask, on this minibatch."""
+        module = self.plain_module(module_id)
+        with torch.no_grad():
+            logp = module.get_train_action_dist_cls().from_logits(
+                fwd_out[Columns.ACTION_DIST_INPUTS]).logp(batch[Columns.ACTIONS])
+        valid = batch.get(Columns.LOSS_MASK, torch.ones_like(logp, dtype=torch.bool)).bool()
+        _, keep, figures = correct(logp - batch[Columns.ACTION_LOGP], valid, sequence_ids(valid), self.correction,
+                                   routing_flags(self.correction, batch, records))
+        batch[Columns.LOSS_MASK] = keep
+        self.metrics.log_dict(figures, key=module_id, window=1)
 
     # --- weights, as the rest of the system sees them ---------------------------------------------
     def plain_module(self, module_id):

@@ -1,0 +1,133 @@
+"""Rollout correction (moe_rl.core.correction): every estimator and mask against a hand-computed
+case, then the learner connector on a real RLlib learner (the loss denominator without the
+rejected steps)."""
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from ray.rllib.core.columns import Columns
+
+from moe_rl import MoEPPOConfig
+from moe_rl.core.correction import correct, resolve_correction, routing_disagreement, sequence_ids
+from moe_rl.core.settings import ConfigError
+
+LOG = math.log
+
+
+def settings(**kw):
+    return resolve_correction(kw)
+
+
+def test_sequence_ids_from_the_phantom_rows():
+    mask = torch.tensor([True, True, False, True, False, True, True, True, False])
+    assert sequence_ids(mask).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+
+
+def test_token_is_truncates_and_normalises():
+    lr = torch.tensor([LOG(3.0), LOG(0.5), 0.0, LOG(1.5)])
+    valid = torch.ones(4, dtype=torch.bool)
+    w, keep, m = correct(lr, valid, torch.zeros(4, dtype=torch.long), settings(is_level="token", is_threshold=2.0))
+    assert w.tolist() == pytest.approx([2.0, 0.5, 1.0, 1.5]) and keep.all()
+    assert m["correction/is_truncated_fraction"] == 0.25 and m["correction/is_max"] == pytest.approx(2.0)
+    assert m["correction/ess"] == pytest.approx(np.mean([2, .5, 1, 1.5]) ** 2 / np.mean(np.square([2, .5, 1, 1.5])))
+    w, _, _ = correct(lr, valid, torch.zeros(4, dtype=torch.long),
+                      settings(is_level="token", is_threshold=2.0, is_batch_normalize=True))
+    assert w.mean().item() == pytest.approx(1.0)
+
+
+def test_sequence_is_is_the_product_per_sequence():
+    lr = torch.tensor([LOG(2.0), LOG(0.75), LOG(1.2), 0.0])
+    seq = torch.tensor([0, 0, 1, 1])
+    w, _, _ = correct(lr, torch.ones(4, dtype=torch.bool), seq, settings(is_level="sequence", is_threshold=10.0))
+    assert w.tolist() == pytest.approx([1.5, 1.5, 1.2, 1.2])
+
+
+def test_rejection_at_token_sequence_and_geometric_level():
+    lr = torch.tensor([LOG(3.0), LOG(1.0), LOG(0.4), LOG(1.0), LOG(1.1), LOG(1.1)])
+    seq = torch.tensor([0, 0, 1, 1, 2, 2])
+    valid = torch.ones(6, dtype=torch.bool)
+    _, keep, m = correct(lr, valid, seq, settings(rs_level="token", rs_threshold=2.0))   # [1/2, 2]
+    assert keep.tolist() == [False, True, False, True, True, True]
+    assert m["correction/rs_rejected_fraction"] == pytest.approx(2 / 6)
+    _, keep, _ = correct(lr, valid, seq, settings(rs_level="sequence", rs_threshold=2.0))  # products 3, 0.4, 1.21
+    assert keep.tolist() == [False, False, False, False, True, True]
+    _, keep, _ = correct(lr, valid, seq, settings(rs_level="geometric", rs_threshold=1.5))  # sqrt: 1.73, .63, 1.1
+    assert keep.tolist() == [False, False, False, False, True, True]                    # 0.63 < 1 / 1.5
+    _, keep, _ = correct(lr, valid, seq, settings(rs_level="geometric", rs_threshold=2.0, rs_threshold_lower=0.7))
+    assert keep.tolist() == [True, True, False, False, True, True]
+
+
+def test_veto_drops_the_whole_sequence_of_a_catastrophic_token():
+    lr = torch.tensor([0.0, LOG(1e-6), 0.0, 0.0])
+    seq = torch.tensor([0, 0, 1, 1])
+    _, keep, m = correct(lr, torch.ones(4, dtype=torch.bool), seq, settings(veto_threshold=1e-4))
+    assert keep.tolist() == [False, False, True, True] and m["correction/veto_fraction"] == 0.5
+    assert m["correction/seq_rejected_fraction"] == 0.5
+
+
+def test_masked_rows_are_never_counted_or_kept():
+    lr = torch.tensor([LOG(5.0), 0.0, 0.0])
+    valid = torch.tensor([True, True, False])
+    _, keep, m = correct(lr, valid, torch.tensor([0, 0, 0]), settings(rs_level="token", rs_threshold=2.0))
+    assert keep.tolist() == [False, True, False] and m["correction/rejected_fraction"] == 0.5
+
+
+def test_routing_rejection_compares_expert_sets_per_layer():
+    rollout = torch.tensor([[[0, 1], [2, 3]], [[1, 0], [2, 3]], [[0, 1], [3, 1]], [[-1, 1], [2, 3]]])
+    trainer = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 1], [2, 3]]])
+    assert routing_disagreement(rollout, trainer, "any", 0.5).tolist() == [False, False, True, False]
+    assert routing_disagreement(rollout, trainer, "share", 0.5).tolist() == [False, False, False, False]
+    _, keep, m = correct(torch.zeros(4), torch.ones(4, dtype=torch.bool), torch.arange(4), settings(routing_rs="any"),
+                         routing_disagreement(rollout, trainer, "any", 0.5))
+    assert keep.tolist() == [True, True, False, True] and m["correction/routing_rejected_fraction"] == 0.25
+
+
+def test_presets_and_bad_settings():
+    s = settings(preset="geo_rs_veto")
+    assert s["rs_level"] == "geometric" and s["veto_threshold"] == 1e-4
+    assert settings(preset="token_is", is_threshold=3.0)["is_threshold"] == 3.0      # explicit keys win
+    for bad, field in [({"preset": "tis"}, "preset"), ({"is_level": "episode"}, "is_level"),
+                       ({"mode": "bypass", "is_level": "token"}, "is_level"),
+                       ({"mode": "bypass", "rs_level": "geometric"}, "mode"), ({"rs_threshold": 0}, "rs_threshold"),
+                       ({"rs_threshold": 2, "rs_threshold_lower": 3}, "rs_threshold_lower"), ({"x": 1}, "x")]:
+        with pytest.raises(ConfigError, match=f"^consistency.correction.{field}: "):
+            resolve_correction(bad)
+
+
+def test_connector_masks_rejected_steps_out_of_the_loss_denominator():
+    """On a real RLlib learner (no Ray cluster): the connector's LOSS_MASK is the rejection, and the
+    PPO loss is the mean over the kept steps only."""
+    env = gym.make("CartPole-v1")
+    config = (MoEPPOConfig().environment("CartPole-v1")
+              .moe(num_experts=4, top_k=2, d_model=16, d_ff=16, aux_loss_coef=0.0, z_loss_coef=0.0)
+              .consistency(correction={"rs_level": "token", "rs_threshold": 2.0}))
+    learner = config.build_learner(env=env)
+    module = learner.module["default_policy"]
+    n = 12
+    obs = torch.randn(n, 4)
+    with torch.no_grad():
+        out = module.forward_exploration({Columns.OBS: obs})
+    actions = torch.zeros(n, dtype=torch.long)
+    logp = torch.log_softmax(out[Columns.ACTION_DIST_INPUTS], -1)[:, 0]
+    rollout_logp = logp.clone()
+    rollout_logp[:3] -= LOG(5.0)           # three steps whose ratio pi_old / pi_rollout is 5: rejected
+    batch = {"default_policy": {Columns.OBS: obs, Columns.ACTIONS: actions, Columns.ACTION_LOGP: rollout_logp,
+                                Columns.ACTION_DIST_INPUTS: out[Columns.ACTION_DIST_INPUTS],
+                                "moe_topk": out["moe_topk"], "advantages": torch.ones(n),
+                                "value_targets": torch.zeros(n),
+                                Columns.LOSS_MASK: torch.ones(n, dtype=torch.bool)}}
+    from moe_rl.rllib.correction import RolloutCorrection
+    batch = RolloutCorrection(settings=learner.correction)(rl_module=learner.module, batch=batch, episodes=[])
+    b = batch["default_policy"]
+    assert b[Columns.LOSS_MASK].tolist() == [False] * 3 + [True] * (n - 3)
+    assert torch.allclose(b[Columns.ACTION_LOGP], logp)          # the ratio is re-based on the old policy
+    fwd = module.forward_train(b)
+    loss = learner.compute_loss_for_module(module_id="default_policy", config=learner.config.get_config_for_module(
+        "default_policy"), batch=b, fwd_out=fwd)
+    kept = {k: (v[3:] if torch.is_tensor(v) and v.shape[:1] == (n,) else v) for k, v in b.items()}
+    kept[Columns.LOSS_MASK] = torch.ones(n - 3, dtype=torch.bool)
+    loss_kept = learner.compute_loss_for_module(module_id="default_policy", config=learner.config.get_config_for_module(
+        "default_policy"), batch=kept, fwd_out=module.forward_train(kept))
+    assert loss.item() == pytest.approx(loss_kept.item(), rel=1e-5)
