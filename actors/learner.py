@@ -9,18 +9,24 @@ gradient of the mean loss over all learners' tokens.
 """
 from __future__ import annotations
 
+import collections
 import os
+import pickle
 import resource
 import socket
 from typing import Any, Dict, Optional
 
+import deepspeed
+import numpy as np
+import ray
 import torch
 import torch.distributed as dist
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-import numpy as np
-
+from actors.deepspeed_moe import shard_moe_layers
 from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
+from moe_rl.core.stability import StabilityToolkit, validate_stability
 from moe_rl.rllib.learner import MoEPPOTorchLearner
 
 
@@ -38,7 +44,6 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
     """Lives inside a LearnerActor after torch.distributed is initialised."""
 
     def _make_module(self):
-        from .deepspeed_moe import shard_moe_layers
         module = super()._make_module()
         s = self.config.moe_settings
         self.ep_size = s["ep_size"]
@@ -58,7 +63,6 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
     def make_toolkit(self, module_id):
         """Per-group norms are global: replicated tensors once, expert shards summed over the
         expert-parallel ranks; every learner gets the same numbers and the same skip decision."""
-        from moe_rl.core.stability import StabilityToolkit, validate_stability
         return StabilityToolkit(validate_stability(self.config.stability_settings),
                                 self._module[module_id].named_parameters(), is_expert=is_expert_param,
                                 all_reduce_sum=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM) or t,
@@ -75,12 +79,10 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
     def optimizer_param_groups(self, toolkit, base_lr):
         """The stability groups, each split by DeepSpeed into expert / non-expert groups (expert
         gradients are reduced over the expert-data-parallel group only)."""
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
         groups = split_params_into_different_moe_groups_for_optimizer(toolkit.param_groups(base_lr))
         return [g for g in groups if g["params"]]
 
     def build_optimizer(self, module_id, toolkit, param_groups, base_lr):
-        import deepspeed
         ds_user = self.config.deepspeed_settings.get("config") or {}
         optimizer = None if "optimizer" in ds_user else toolkit.make_optimizer(param_groups, base_lr)
         config = self.config.get_config_for_module(module_id)
@@ -175,12 +177,10 @@ class LearnerActor:
         self.learner: Optional[DeepSpeedPPOLearner] = None
 
     def address(self):
-        import ray
         ip = ray.util.get_node_ip_address()
         return ip, free_port()
 
     def build(self, config, module_spec, master_addr: str, master_port: int) -> None:
-        import deepspeed
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         backend = "nccl" if torch.cuda.is_available() and config.num_gpus_per_learner > 0 else "gloo"
@@ -235,9 +235,6 @@ _TUPLE, _NDARRAY = "__moe_rl_tuple__", "__moe_rl_ndarray__"
 def plain_state(obj, where: str = "state"):
     """RLlib learner state -> dict/list/str/int/float/bool/None/tensor only (tuples and numpy
     arrays tagged so they come back as such). Anything else is a TypeError naming the key."""
-    import collections
-
-    import numpy as np
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -277,7 +274,6 @@ def save_learner_state(state: Dict[str, Any], file: str) -> None:
 def load_learner_state(file: str) -> Dict[str, Any]:
     """torch.load(weights_only=True): a file holding anything but plain data (e.g. a pickle that
     would run code) is refused, never executed."""
-    import pickle
     try:
         state = torch.load(file, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError, ValueError, EOFError) as e:

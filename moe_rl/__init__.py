@@ -1,8 +1,11 @@
 """moe-rl: train Mixture-of-Experts policies stably with RL on Ray.
 
-The core modules (moe, losses, metrics, consistency) are pure torch. Ray-facing names
-(MoEPPOConfig, MoEPPO) load lazily so `import moe_rl.core.layer` never imports Ray.
+Layers (imports point down): moe_rl.core (pure torch) <- moe_rl.rllib (RLlib plug-ins) <- actors
+(Ray actors) <- moe_rl.algo (MoEPPOConfig, MoEPPO) <- moe_rl.app (CLI, run directory, reports).
+The algorithm's names load lazily here, so `import moe_rl.core.layer` never imports Ray.
 """
+import importlib
+
 __version__ = "0.1.0"
 
 _LAZY = {"MoEPPOConfig": "moe_rl.algo.algorithm", "MoEPPO": "moe_rl.algo.algorithm",
@@ -11,7 +14,6 @@ _LAZY = {"MoEPPOConfig": "moe_rl.algo.algorithm", "MoEPPO": "moe_rl.algo.algorit
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'moe_rl' has no attribute {name!r}")
 

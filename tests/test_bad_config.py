@@ -5,6 +5,8 @@ import ray
 
 from moe_rl.app.cli import main
 
+pytestmark = pytest.mark.pure
+
 CASES = [
     # wrong types
     ("moe.num_experts=eight", "moe.num_experts"), ("moe.top_k=1.5", "moe.top_k"),

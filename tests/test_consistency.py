@@ -13,6 +13,7 @@ from moe_rl.core.settings import ConfigError
 # --- estimators, hand-computed --------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_identical_inputs_give_zero_kl():
     lp = torch.log(torch.tensor([0.1, 0.5, 0.9]))
     m = drift_metrics(lp, lp)
@@ -20,6 +21,7 @@ def test_identical_inputs_give_zero_kl():
     assert m["max_abs_logp_diff"] == 0.0
 
 
+@pytest.mark.pure
 def test_hand_values_and_k3_nonnegative():
     t, r = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])  # ratio 2
     m = drift_metrics(t, r)
@@ -31,6 +33,7 @@ def test_hand_values_and_k3_nonnegative():
         assert m["k3"] >= 0 and 0 < m["ess"] <= 1
 
 
+@pytest.mark.pure
 def test_estimators_match_closed_form_kl_in_expectation():
     p_inf = torch.tensor([0.5, 0.3, 0.2])
     p_train = torch.tensor([0.4, 0.4, 0.2])
@@ -42,6 +45,7 @@ def test_estimators_match_closed_form_kl_in_expectation():
     assert policy_kl(logits_inf, logits_train, discrete=True) == pytest.approx(kl, rel=1e-6)
 
 
+@pytest.mark.pure
 def test_routing_agreement_per_layer_and_first_divergent_layer():
     a = [torch.tensor([[0, 1], [2, 3]]), torch.tensor([[0, 1], [2, 3]])]
     b = [torch.tensor([[1, 0], [3, 2]]), torch.tensor([[0, 1], [2, 0]])]
@@ -50,6 +54,7 @@ def test_routing_agreement_per_layer_and_first_divergent_layer():
     assert m["first_divergent_layer"] == 1 and m["routing_agreement"] == 0.75
 
 
+@pytest.mark.pure
 def test_param_divergence_thresholds_and_log_lines():
     ref = {"w": torch.ones(3), "e": torch.zeros(2)}
     worst, over, missing = param_divergence(ref, {"w": torch.tensor([1.0, 1.2, 1.0]), "x": torch.ones(1)}, 0.1)
@@ -58,6 +63,7 @@ def test_param_divergence_thresholds_and_log_lines():
     assert not over_bf16
 
 
+@pytest.mark.pure
 def test_bad_consistency_settings_name_the_field():
     for settings, field in [({"policy": "panic"}, "consistency.policy"), ({"every": 0}, "consistency.every"),
                             ({"thresholds": {"k9": 1}}, "consistency.thresholds.k9"),

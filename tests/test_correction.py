@@ -13,6 +13,8 @@ from moe_rl import MoEPPOConfig
 from moe_rl.core.correction import correct, resolve_correction, routing_disagreement, sequence_ids
 from moe_rl.core.settings import ConfigError
 
+pytestmark = pytest.mark.pure
+
 LOG = math.log
 
 

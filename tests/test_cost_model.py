@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "cost_model.py"
 _spec = importlib.util.spec_from_file_location("cost_model", SCRIPT)
 cm = importlib.util.module_from_spec(_spec)

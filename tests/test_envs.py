@@ -12,6 +12,8 @@ from gymnasium.utils.env_checker import check_env
 import envs
 from envs import MultiTaskEnv, TokenSequenceEnv
 
+pytestmark = pytest.mark.pure
+
 TARGETS = {"copy": lambda p: p, "reverse": lambda p: p[::-1], "sort": sorted}
 
 

@@ -21,6 +21,7 @@ def gate(**kw):
     return GateState(validate_consistency({"relative_warmup": 3, **kw}))
 
 
+@pytest.mark.pure
 def test_relative_limit_waits_for_history_and_keeps_a_floor():
     lim = RelativeLimit(z=8, warmup=3, window=10, floor=0.02)  # probe_flip_rate's floor
     for v in (0.0, 0.0):
@@ -33,6 +34,7 @@ def test_relative_limit_waits_for_history_and_keeps_a_floor():
     assert 1.0 < lim.limit() < 10.0
 
 
+@pytest.mark.pure
 def test_healthy_history_passes_and_a_harmful_update_is_flagged():
     """Figures of the quickstart's drift.parquet (update size of the expert group, KL old->new on
     the probe set) and of an injected LR x 1000 step."""
@@ -49,6 +51,7 @@ def test_healthy_history_passes_and_a_harmful_update_is_flagged():
     assert g.update_breaches({"p|update_size/experts": 0.3}, 3) == []
 
 
+@pytest.mark.pure
 def test_mismatch_is_reported_and_never_stalls():
     for policy in ("warn", "hold", "rollback"):
         v = gate(policy=policy).decide(finite=True, bad_update=[], mismatch=[("k3", 0.1, 1e-3)], corrupt=[],
@@ -57,6 +60,7 @@ def test_mismatch_is_reported_and_never_stalls():
         assert "k3=0.1 (threshold=0.001)" in v.reason
 
 
+@pytest.mark.pure
 def test_hold_escalates_to_rollback_and_rollbacks_to_a_stop():
     bad = [("update_size/router", 5.0, 0.1)]
     g = gate(policy="hold", max_holds=2, max_rollbacks=2, rollback_lr_scale=0.5)
@@ -67,6 +71,7 @@ def test_hold_escalates_to_rollback_and_rollbacks_to_a_stop():
     assert ok.decision == "sync" and ok.lr_scale == 1.0 and g.holds_in_a_row == g.rollbacks_in_a_row == 0
 
 
+@pytest.mark.pure
 def test_warn_syncs_a_bad_update_but_never_nonfinite_weights():
     g = gate(policy="warn")
     assert g.decide(finite=True, bad_update=[("k3_old_new", 9.0, 0.1)], mismatch=[], corrupt=[],
@@ -75,6 +80,7 @@ def test_warn_syncs_a_bad_update_but_never_nonfinite_weights():
     assert v.decision == "rollback" and "not finite" in v.reason
 
 
+@pytest.mark.pure
 def test_corrupt_copies_and_replicas_have_their_own_actions():
     v = gate(policy="rollback").decide(finite=True, bad_update=[], mismatch=[], corrupt=["actor 1: w"],
                                        replicas=["learner 1 vs learner 0: b"])
@@ -82,6 +88,7 @@ def test_corrupt_copies_and_replicas_have_their_own_actions():
     assert v.causes == ["corrupt_copy", "replica_divergence"]
 
 
+@pytest.mark.pure
 def test_gate_state_round_trips():
     g = gate()
     for x in (0.1, 0.2, 0.3, 0.4):
@@ -93,6 +100,7 @@ def test_gate_state_round_trips():
     assert h.update_breaches({"p|k3_old_new": 50.0}, 1) == g.update_breaches({"p|k3_old_new": 50.0}, 1) != []
 
 
+@pytest.mark.pure
 def test_probe_flips_count_only_above_the_margin():
     old = {"topk": np.array([[[0, 1]], [[2, 3]], [[0, 1]]]).reshape(3, 1, 2), "margin": np.array([[1e-4], [0.5], [0.5]])}
     new = {"topk": np.array([[[2, 3]], [[0, 1]], [[1, 0]]]).reshape(3, 1, 2), "margin": np.zeros((3, 1))}
@@ -102,6 +110,7 @@ def test_probe_flips_count_only_above_the_margin():
     assert probe_flip_rate(old, new, margin=0.0) == pytest.approx(2 / 3)
 
 
+@pytest.mark.pure
 def test_digests_are_exact_in_the_rollout_dtype():
     w = torch.randn(64, 64)
     assert tensor_digest(w, torch.bfloat16) == tensor_digest(w.to(torch.bfloat16))
@@ -242,6 +251,7 @@ def test_replica_divergence_is_resynced_under_expert_parallelism(ray_local):
         algo.stop()
 
 
+@pytest.mark.pure
 def test_k3_by_expert_shows_the_drifting_expert():
     from actors.consistency import k3_by_expert
     topk = np.array([[[0, 1]], [[0, 2]], [[3, 1]], [[3, 2]]])          # 4 tokens, 1 layer, top-2

@@ -8,9 +8,9 @@ from ray.rllib.core.columns import Columns
 
 from moe_rl import MoEPPOConfig
 from moe_rl.core.losses import moe_aux_losses
-from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 from moe_rl.core.settings import ConfigError
 from moe_rl.core.sharding import ShardError, assemble_shards, to_global_name
+from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 
 ENV = gym.make("CartPole-v1")
 RNG = np.random.default_rng(0)

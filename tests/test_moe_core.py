@@ -6,11 +6,13 @@ import sys
 import pytest
 import torch
 
+from moe_rl.core.layer import DISPATCH_PATHS, MoELayer
 from moe_rl.core.losses import load_balancing_loss, moe_aux_losses, router_z_loss
 from moe_rl.core.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
-from moe_rl.core.layer import DISPATCH_PATHS, MoELayer
 from moe_rl.core.routers import balance_step, plackett_luce_logp
 from moe_rl.core.routing import RoutingRecord, sinkhorn, sinkhorn_potentials
+
+pytestmark = pytest.mark.pure
 
 
 def naive_reference(layer: MoELayer, x: torch.Tensor, rec: RoutingRecord) -> torch.Tensor:

@@ -5,8 +5,8 @@ import torch
 from ray.rllib.core.columns import Columns
 
 from moe_rl import MoEPPO, MoEPPOConfig
-from moe_rl.rllib.rl_module import MOE_TOPK
 from moe_rl.core.settings import ConfigError
+from moe_rl.rllib.rl_module import MOE_TOPK
 
 OBS = np.random.default_rng(0).uniform(-0.5, 0.5, size=(64, 4)).astype(np.float32)
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from moe_rl.algo import prometheus
-from moe_rl.core.param_groups import PARAM_GROUPS
-from moe_rl.core.metrics import health_summary
-from moe_rl.core.routing import RoutingRecord
 from moe_rl.algo.prometheus import PrometheusExporter, exported_families, metric_name_and_tags
 from moe_rl.algo.results import LEARNER_KEYS, metrics_row
+from moe_rl.core.metrics import health_summary
+from moe_rl.core.param_groups import PARAM_GROUPS
+from moe_rl.core.routing import RoutingRecord
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASHBOARD = os.path.join(ROOT, "cluster", "grafana_dashboard.json")

@@ -8,10 +8,12 @@ import subprocess
 import pytest
 import yaml
 
+from moe_rl.algo.results import write_table
+from moe_rl.app.report import DECISION_COLOURS, GRADE_COLOURS, write_report
 from moe_rl.core.drift import format_breach
 from moe_rl.core.metrics import GRADES, WORST_OF
-from moe_rl.app.report import DECISION_COLOURS, GRADE_COLOURS, write_report
-from moe_rl.algo.results import write_table
+
+pytestmark = pytest.mark.pure
 
 N, LAYERS, ITERS = 8, 2, 12
 
@@ -27,7 +29,8 @@ def metrics_rows(per_expert: bool):
             skew = 0.03 * it * (layer + 1)      # layer 1 drifts into the danger band
             util = [1 / N + skew] + [1 / N - skew / (N - 1)] * (N - 1)
             m = {"min_util": min(util), "max_util": max(util), "cv": 0.1 * it, "active_experts": float(N),
-                 "health": float(min(2, it // 5)), "router_entropy": 2.0, "router_entropy_norm": 0.99 - 0.01 * it}
+                 "health": float(min(2, it // 5)), "router_entropy": 2.0, "router_entropy_norm": 0.99 - 0.01 * it,
+                 "replay_divergence": 0.0}
             row.update({f"moe/layer{layer}/{k}": v for k, v in m.items()})
             if per_expert:
                 row.update({f"moe/layer{layer}/util/e{j}": u for j, u in enumerate(util)})

@@ -9,8 +9,21 @@ from torch import nn
 from moe_rl.core.anomaly import AnomalyDetector
 from moe_rl.core.layer import MoELayer
 from moe_rl.core.settings import ConfigError
-from moe_rl.core.stability import (EXACT_QUANTILE_MAX, Lamb, StabilityToolkit, abs_quantile, expert_dropout_at, lr_at,
-                              orthonormal_basis, project_, set_expert_dropout, validate_stability, winsorize_)
+from moe_rl.core.stability import (
+    EXACT_QUANTILE_MAX,
+    Lamb,
+    StabilityToolkit,
+    abs_quantile,
+    expert_dropout_at,
+    lr_at,
+    orthonormal_basis,
+    project_,
+    set_expert_dropout,
+    validate_stability,
+    winsorize_,
+)
+
+pytestmark = pytest.mark.pure
 
 
 class TinyPolicy(nn.Module):

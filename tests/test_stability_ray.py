@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from test_learner_group import ENV, adam_moments, batch, ds_config, shard_loss
 
 from moe_rl import MoEPPOConfig
-from test_learner_group import ENV, adam_moments, batch, ds_config, shard_loss
 
 MID = "default_policy"
 

@@ -41,6 +41,9 @@ import re
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import ray
+from ray.util.metrics import Counter, Gauge
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "moe_rl_"
@@ -130,7 +133,6 @@ class PrometheusExporter:
         """One iteration: gauges for the numeric columns, +1 sync decision, +n alerts by kind.
         Never raises."""
         try:
-            import ray
             if not ray.is_initialized():
                 return
             with self._lock:
@@ -157,7 +159,6 @@ class PrometheusExporter:
         period = self.refresh_s
         if period is None:
             try:
-                import ray
                 period = max(ray._config.metrics_report_interval_ms(), 1000) / 2000.0
             except Exception:  # noqa: BLE001
                 period = 5.0
@@ -166,7 +167,6 @@ class PrometheusExporter:
         self._refresher.start()
 
     def _refresh_loop(self, period: float) -> None:
-        import ray
         while not self._stop.wait(period):
             try:
                 if not ray.is_initialized():
@@ -192,7 +192,6 @@ class PrometheusExporter:
         self._last_by_key.update(last)
         self._last = list(self._last_by_key.values())
         if self._counters is None:
-            from ray.util.metrics import Counter
             self._counters = {
                 SYNC_DECISIONS: Counter(SYNC_DECISIONS, "moe-rl weight-sync gate decisions "
                                         "(sync|warn|hold|rollback)", tag_keys=("run", "decision")),
@@ -214,7 +213,6 @@ class PrometheusExporter:
         """Resolve new columns to (gauge, full tags) once. A family's tag keys are the union over
         the columns seen when it is first met (Ray requires a value for every declared key: the
         absent ones get "", which Prometheus treats as no label)."""
-        from ray.util.metrics import Gauge
         if self.num_experts is None:
             n = _expert_count(keys)
             if n:

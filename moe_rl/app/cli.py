@@ -21,7 +21,17 @@ import sys
 import time
 from typing import List, Optional
 
+import ray
+
+from moe_rl.algo.results import metrics_row
 from moe_rl.algo.sync_gate import GateStop
+from moe_rl.app import checkpoint as ck
+from moe_rl.app.drift_study import SOURCES, run_study
+from moe_rl.app.evaluate import evaluate_run
+from moe_rl.app.report import write_report
+from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
+from moe_rl.app.run_dir import RunDir
+from moe_rl.app.wandb_logger import WandbLogger
 from moe_rl.core.settings import ConfigError
 
 
@@ -68,9 +78,6 @@ def _flag_overrides(args) -> List[str]:
 
 
 def cmd_train(args) -> int:
-    from moe_rl.app.checkpoint import resume_config
-    from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
-    from moe_rl.app.run_dir import RunDir
 
     def build(base):
         cfg = apply_overrides(base, _flag_overrides(args) + args.set)
@@ -82,7 +89,7 @@ def cmd_train(args) -> int:
     try:
         if args.resume:
             saved, resume = _resume_source(args)
-            cfg, config = build(resume_config(saved))
+            cfg, config = build(ck.resume_config(saved))
             _check_resume(args, saved, resolved(cfg, config),
                           lambda: resolved(*build(load_run_config(args.config))) if args.config else None)
         else:
@@ -104,13 +111,11 @@ def cmd_train(args) -> int:
 
 def _resume_source(args):
     """--resume RUN_DIR: its config.yaml and its newest good checkpoint (ConfigError if none)."""
-    from moe_rl.app.checkpoint import latest_good_checkpoint
-    from moe_rl.app.run_config import load_run_config
     if not os.path.isfile(os.path.join(args.resume, "config.yaml")):
         raise ConfigError(f"--resume: must be a moe-rl run directory with config.yaml, got {args.resume!r}")
     if args.output and os.path.abspath(args.output) != os.path.abspath(args.resume):
         raise ConfigError(f"--output: a resumed run continues in its own directory {args.resume!r}; leave --output out")
-    ckpt = latest_good_checkpoint(args.resume)
+    ckpt = ck.latest_good_checkpoint(args.resume)
     if ckpt is None:
         raise ConfigError(f"--resume: {args.resume!r} has no good checkpoint under checkpoints/ to continue from")
     return load_run_config(os.path.join(args.resume, "config.yaml")), ckpt
@@ -119,8 +124,7 @@ def _resume_source(args):
 def _check_resume(args, saved, new, other_config) -> None:
     """Flags and --set may change how the run goes on (iterations, checkpointing, runners, ...),
     never the model or the learner layout the checkpoint holds; nor may a --config."""
-    from moe_rl.app.checkpoint import model_conflicts
-    conflicts = model_conflicts(saved, new)
+    conflicts = ck.model_conflicts(saved, new)
     if conflicts:
         flags = (("env", "--env", args.env), ("learners.num_learners", "--num-learners", args.num_learners),
                  ("moe.ep_size", "--ep-size", args.ep_size))
@@ -134,7 +138,7 @@ def _check_resume(args, saved, new, other_config) -> None:
         raise ConfigError(f"{flag}: --resume cannot change the model: {field} is {old!r} in the run's "
                           f"config.yaml, got {got!r}")
     other = other_config()
-    conflicts = model_conflicts(saved, other) if other else []
+    conflicts = ck.model_conflicts(saved, other) if other else []
     if conflicts:
         field, old, got = conflicts[0]
         raise ConfigError(f"--config: conflicts with the run being resumed: {field} is {old!r} in its "
@@ -142,11 +146,8 @@ def _check_resume(args, saved, new, other_config) -> None:
 
 
 def train_loop(config, cfg, run, resume_from=None) -> int:
-    import ray
 
-    from moe_rl.app import checkpoint as ck
     started_ray = ensure_ray(logical_cpus_needed(config))
-    from moe_rl.algo.results import metrics_row
 
     algo = config.build_algo()
     iterations, every = cfg.get("iterations", 50), cfg.get("checkpoint_every", 10)
@@ -157,7 +158,6 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
     last_verified, failures_in_a_row = -math.inf, 0
     wandb = None
     if cfg.get("wandb") is not None:
-        from moe_rl.app.wandb_logger import WandbLogger
         wandb = WandbLogger(cfg["wandb"], run.resolved_config, run.path, os.path.basename(run.location))
     try:
         if resume_from:
@@ -221,7 +221,6 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
         algo.stop()
         if started_ray:
             ray.shutdown()
-    from moe_rl.app.report import write_report
     report = os.path.relpath(write_report(run.path), run.path)
     run.sync()
     print(f"moe-rl: done; run in {run.location} (metrics.parquet, {report})", flush=True)
@@ -234,7 +233,6 @@ MAX_LEARNER_RESTARTS_IN_A_ROW = 3
 def _continue_run(algo, run, checkpoint) -> None:
     """Tables continue from the restored iteration (later rows are trained again); checkpoints
     newer than the restored one failed verification: out of the iter_* namespace with them."""
-    from moe_rl.app import checkpoint as ck
     run.continue_from(algo.iteration)
     ck.continue_ledgers(algo, run.path, algo.iteration)
     for name in ck.checkpoint_names(run.checkpoints):
@@ -247,7 +245,6 @@ def _continue_run(algo, run, checkpoint) -> None:
 def _verify(algo, path, resolved_config):
     """Periodic check: the manifest re-hashed and the reloaded policy's outputs equal the live
     learner module's; a failure quarantines the checkpoint (resume and evaluate never use it)."""
-    from moe_rl.app import checkpoint as ck
     try:
         ck.verify_checkpoint(path)
         ok, diff = ck.verify_weights(algo, path, resolved_config)
@@ -265,7 +262,6 @@ def ensure_ray(min_cpus: int) -> bool:
     """Connect to RAY_ADDRESS (as under `ray job submit`) or start an embedded Ray on loopback
     offering at least `min_cpus` logical CPUs (actors then share the cores; a smaller head would
     wait forever). Returns whether this call started/connected Ray (the caller shuts it down)."""
-    import ray
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
@@ -284,7 +280,6 @@ def logical_cpus_needed(config) -> int:
 
 
 def cmd_report(args) -> int:
-    from moe_rl.app.report import write_report
     try:
         path = write_report(args.run_dir)
     except (FileNotFoundError, NotADirectoryError) as e:
@@ -294,7 +289,6 @@ def cmd_report(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from moe_rl.app.evaluate import evaluate_run
 
     try:
         mean, returns = evaluate_run(args.run_dir, args.episodes)
@@ -305,7 +299,6 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_drift_study(args) -> int:
-    from moe_rl.app.drift_study import SOURCES, run_study
     if args.source not in SOURCES:
         return _fail(f"--source: must be one of {tuple(SOURCES)}, got {args.source!r}")
     try:
@@ -315,7 +308,6 @@ def cmd_drift_study(args) -> int:
         return _fail(f"--lengths/--seeds: must be comma-separated ints, got {args.lengths!r} / {args.seeds!r}")
     if not all(8 <= L <= 1024 for L in lengths):
         return _fail(f"--lengths: must be in [8, 1024], got {lengths}")
-    import ray
     started = ensure_ray(4)  # a study config needs at most 1 runner + 2 learners
     try:
         run_study(lengths, args.source, seeds, args.output)

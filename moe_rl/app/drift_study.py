@@ -7,8 +7,13 @@ learner group computes its view, the consistency actor measures (no update is ne
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Dict, List
+
+from moe_rl.algo.algorithm import MoEPPOConfig
+from moe_rl.algo.results import write_table
+from moe_rl.app.plots import line_plot_svg
 
 SOURCES = {
     "none": ({}, 0),
@@ -19,7 +24,6 @@ SOURCES = {
 
 
 def study_config(seq_len: int, source: str, seed: int, prompt_len: int = 8):
-    from moe_rl.algo.algorithm import MoEPPOConfig
     moe, learners = SOURCES[source]
     bins = sorted({b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < seq_len + prompt_len} | {seq_len + prompt_len})
     return (MoEPPOConfig()
@@ -51,10 +55,6 @@ def measure(seq_len: int, source: str, seed: int) -> Dict:
 
 def run_study(lengths: List[int], source: str, seeds: List[int], output: str) -> List[Dict]:
     """Needs a running Ray (the CLI starts one)."""
-    import json
-
-    from moe_rl.app.plots import line_plot_svg
-    from moe_rl.algo.results import write_table
     os.makedirs(output, exist_ok=True)
     rows = []
     for L in lengths:

@@ -9,6 +9,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 import yaml
+from ray.rllib.core.columns import Columns
 
 import envs  # noqa: F401  registers moe_rl/ envs
 from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy
@@ -22,7 +23,6 @@ def _to_tensor(obs):
 
 
 def greedy_action(module, obs, action_space):
-    from ray.rllib.core.columns import Columns
     with torch.no_grad():
         logits = module.forward_inference({Columns.OBS: _to_tensor(obs)})[Columns.ACTION_DIST_INPUTS][0]
     if hasattr(action_space, "n"):

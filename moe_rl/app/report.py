@@ -22,10 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from moe_rl.algo.results import atomic_write_bytes
+from moe_rl.app.plots import heatmap_svg, interval_plot_svg, xy_plot_svg
 from moe_rl.core.gate import DECISIONS, mismatch_limits
 from moe_rl.core.metrics import DANGER_HIGH, DANGER_LOW, GRADES, WARN_HIGH, WARN_LOW
-from moe_rl.app.plots import heatmap_svg, interval_plot_svg, xy_plot_svg
-from moe_rl.algo.results import atomic_write_bytes
 
 GRADE_COLOURS = ("#2ca02c", "#ff9f1c", "#d62728")  # healthy, warning, danger
 DECISION_COLOURS = {"sync": "#2ca02c", "warn": "#ff9f1c", "hold": "#9467bd", "rollback": "#d62728",

@@ -30,9 +30,15 @@ import os
 from importlib import resources
 from typing import Any, Dict, List, Optional
 
+import gymnasium as gym
 import yaml
 
+import envs  # noqa: F401  registers the moe_rl/ namespace
+from moe_rl.algo.algorithm import MoEPPOConfig
+from moe_rl.app.wandb_logger import validate_wandb
+from moe_rl.core.gate import validate_consistency
 from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
+from moe_rl.core.stability import validate_stability
 
 BUILDER_SECTIONS = ("env_runners", "learners", "training")
 TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "stop_return": (int, float, type(None)),
@@ -93,7 +99,6 @@ def _builder_params(config, section: str) -> set:
 
 def validate_run_config(cfg: Dict[str, Any]):
     """Check every field and return the built (not started) MoEPPOConfig."""
-    from moe_rl.algo.algorithm import MoEPPOConfig  # imports Ray's RLlib modules, but starts nothing
 
     unknown = sorted(set(cfg) - set(TOP_LEVEL) - set(SECTIONS))
     if unknown:
@@ -113,7 +118,6 @@ def validate_run_config(cfg: Dict[str, Any]):
         raise ConfigError(f"seed: must be an int >= 0, got {cfg['seed']!r}")
     if cfg.get("stop_return") is not None and not math.isfinite(cfg["stop_return"]):
         raise ConfigError(f"stop_return: must be a finite number or null, got {cfg['stop_return']!r}")
-    from moe_rl.app.wandb_logger import validate_wandb
     validate_wandb(cfg.get("wandb"))
     env = cfg.get("env")
     if not env:
@@ -139,8 +143,6 @@ def validate_run_config(cfg: Dict[str, Any]):
     config.debugging(seed=cfg.get("seed", 0))
     validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
     resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
-    from moe_rl.core.gate import validate_consistency
-    from moe_rl.core.stability import validate_stability
     validate_consistency(config.consistency_settings)
     validate_stability(config.stability_settings)
     try:
@@ -180,9 +182,6 @@ def _check_numbers(section: str, values: Dict[str, Any]) -> None:
 
 
 def _check_env(env_id: str) -> None:
-    import gymnasium as gym
-
-    import envs  # noqa: F401  registers the moe_rl/ namespace
     try:
         gym.spec(env_id)
     except Exception:
@@ -196,9 +195,7 @@ def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     out.update({k: cfg.get(k, v) for k, v in RUN_DEFAULTS.items()})
     out["moe"] = dict(config.moe_settings)
     out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
-    from moe_rl.core.stability import validate_stability
     out["stability"] = validate_stability(config.stability_settings)
-    from moe_rl.core.gate import validate_consistency
     out["consistency"] = validate_consistency(config.consistency_settings)
     for section in BUILDER_SECTIONS:
         out[section] = {}

@@ -9,6 +9,8 @@ from typing import Any, Dict, List, Optional
 
 import pyarrow.parquet as pq
 import yaml
+from pyarrow import fs
+from tensorboardX import SummaryWriter
 
 from moe_rl.algo.results import atomic_write_bytes, write_table
 
@@ -24,7 +26,6 @@ class Mirror:
     the storage path is a copy that trails it by at most one iteration."""
 
     def __init__(self, uri: str):
-        from pyarrow import fs
         try:
             self.fs, self.root = fs.FileSystem.from_uri(uri)
             self.fs.create_dir(self.root, recursive=True)
@@ -34,7 +35,6 @@ class Mirror:
         self._sent: Dict[str, tuple] = {}
 
     def sync(self, local_root: str) -> None:
-        from pyarrow import fs
         seen = set()
         for dirpath, dirnames, filenames in os.walk(local_root):
             dirnames[:] = [d for d in dirnames if not d.startswith(".tmp-")]   # unfinished checkpoints
@@ -115,7 +115,6 @@ class RunDir:
 
     def _tensorboard(self, row: Dict[str, Any]) -> None:
         if self._tb is None:
-            from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(self.path, "tb"))
         step = row["iteration"]
         for k, v in row.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import resource
 from collections import deque
 from typing import Any, Deque, Dict, List
 
@@ -36,7 +37,6 @@ def rss_mb() -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
-        import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

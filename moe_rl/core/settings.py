@@ -5,10 +5,12 @@ bad value costs milliseconds and names the field and what is allowed.
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Dict, Optional
 
-from moe_rl.core.errors import ConfigError, need as _need
+from moe_rl.core.errors import ConfigError
+from moe_rl.core.errors import need as _need
 from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS
 from moe_rl.core.routers import ROUTER_INITS, ROUTERS
 
@@ -128,7 +130,6 @@ DEEPSPEED_DEFAULTS: Dict[str, Any] = {
 
 def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int) -> Dict[str, Any]:
     """Validate `deepspeed.*` and resolve `enabled` and a JSON config path. Field names: deepspeed.*"""
-    import json
     unknown = sorted(set(d) - set(DEEPSPEED_DEFAULTS))
     _need(not unknown, f"deepspeed.{unknown[0] if unknown else ''}", f"one of {sorted(DEEPSPEED_DEFAULTS)}",
           unknown[0] if unknown else None)

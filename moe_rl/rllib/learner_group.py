@@ -27,6 +27,7 @@ import copy
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import ray
+import torch.distributed as dist
 from ray.rllib.core import COMPONENT_LEARNER
 from ray.rllib.core.learner.learner_group import LearnerGroup
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
@@ -64,7 +65,6 @@ def _set_lr_scale(learner, scale: float):
 
 def learner_index(learner, n: int) -> int:
     """Which published part is this learner's (its rank under torch.distributed, else 0)."""
-    import torch.distributed as dist
     return min(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0, n - 1)
 
 
