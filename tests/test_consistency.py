@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_rl import MoEPPOConfig
+from moe_rl.algo.results import write_table
 from moe_rl.core.drift import drift_metrics, param_divergence, policy_kl, routing_agreement
 from moe_rl.core.gate import validate_consistency
 from moe_rl.core.settings import ConfigError
@@ -99,10 +100,12 @@ def runner_state(algo):
 
 
 def test_exact_setup_shows_no_drift(ray_local, tmp_path):
-    algo = config().consistency(ledger_path=str(tmp_path / "drift.parquet")).build_algo()
+    algo = config().build_algo()
     try:
         for _ in range(2):
             result = algo.train()
+            assert [r["iteration"] for r in result["moe_rl_drift"]] == [algo.iteration]   # this iteration's rows
+        write_table(str(tmp_path / "drift.parquet"), algo.sync_gate.rows)
         row = last_row(algo)
         assert abs(row["k3"]) < 1e-6 and row["routing_agreement"] == 1.0 and row["lag_versions"] == 0
         assert row["param_breach_lines"] == "" and row["decision"] == "sync" and row["action"] == ""

@@ -52,7 +52,7 @@ def realistic_row(num_layers=2, num_experts=4, decision="hold", tokens=64):
     for rank in range(2):                                     # actors/learner.py memory_stats
         for k in ("expert_param_bytes", "peak_rss_mb", "rss_mb"):
             figures[f"learner/{k}/rank{rank}"] = 1000.0 + rank
-    figures.update({"memory/rss_mb/driver": 900.0, "memory/rss_mb/runner1": 800.0,   # MoEPPO._watch
+    figures.update({"memory/rss_mb/driver": 900.0, "memory/rss_mb/runner1": 800.0,   # MoEMonitoring
                     "memory/rss_mb/runner2": 810.0})
     result = {"training_iteration": 7, "num_env_steps_sampled_lifetime": 4000, "time_total_s": 12.5,
               "env_runners": {"episode_return_mean": 42.5, "episode_len_mean": 42.5, "weights_seq_no": 6},
@@ -390,7 +390,7 @@ def test_a_real_ray_head_serves_the_exported_metrics():
 
 @pytest.mark.slow
 def test_moe_ppo_exports_every_iteration_without_anomaly_detection(ray_local, tmp_path, monkeypatch):
-    """The wiring: MoEPPO._watch builds the row once and exports it (run name from alerts_path)."""
+    """The wiring: the monitoring callback builds the row once per iteration and exports it."""
     from moe_rl import MoEPPOConfig
     calls = []
     real = PrometheusExporter.export
@@ -405,13 +405,14 @@ def test_moe_ppo_exports_every_iteration_without_anomaly_detection(ray_local, tm
               .training(train_batch_size_per_learner=128, minibatch_size=64, num_epochs=1)
               .moe(num_experts=4, top_k=2, d_model=16, d_ff=16)
               .consistency(sample_size=64, probe_size=32)
-              .stability(anomaly_detection=False, alerts_path=str(tmp_path / "myrun" / "alerts.parquet"))
+              .stability(anomaly_detection=False)
               .debugging(seed=0))
     algo = config.build_algo()
+    algo.monitoring.run = "myrun"
     try:
         for _ in range(2):
             algo.train()
-        assert algo.prometheus._gauges                      # a connected Ray: real gauges exist
+        assert algo.monitoring.prometheus._gauges          # a connected Ray: real gauges exist
     finally:
         algo.stop()
     assert [c[1]["iteration"] for c in calls] == [1, 2] and {c[0] for c in calls} == {"myrun"}
@@ -419,4 +420,4 @@ def test_moe_ppo_exports_every_iteration_without_anomaly_detection(ray_local, tm
     assert "episode_return_mean" in row and "moe/layer0/cv" in row and "memory/rss_mb/driver" in row
     assert row["drift/decision"] in prometheus.DECISIONS
     assert all(c[2] == [] for c in calls)
-    assert algo.prometheus._stop.is_set()                  # cleanup() stopped the refresher
+    assert algo.monitoring.prometheus._stop.is_set()      # cleanup() stopped the refresher

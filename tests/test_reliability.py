@@ -217,8 +217,8 @@ def interrupt_after_logging(monkeypatch, iteration):
     from moe_rl.app.run_dir import RunDir
     log = RunDir.log
 
-    def interrupting_log(self, row):
-        log(self, row)
+    def interrupting_log(self, row, *tables):
+        log(self, row, *tables)
         if row["iteration"] == iteration:
             raise KeyboardInterrupt
     monkeypatch.setattr(RunDir, "log", interrupting_log)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from typing import Any, Dict
 
-import ray
 from ray.rllib.algorithms.algorithm_config import NotProvided
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
+from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics import (
     ALL_MODULES,
     ENV_RUNNER_RESULTS,
@@ -32,10 +31,8 @@ from ray.rllib.utils.metrics import (
 
 import envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that loads this config
 from actors.learner_group import DeepSpeedLearnerGroup
-from moe_rl.algo.prometheus import PrometheusExporter
-from moe_rl.algo.results import metrics_row, write_table
+from moe_rl.algo.monitoring import MoEMonitoring
 from moe_rl.algo.sync_gate import GateStop, SyncGate
-from moe_rl.core.anomaly import AnomalyDetector, rss_mb
 from moe_rl.core.gate import validate_consistency
 from moe_rl.core.sample_filter import drop_nonfinite
 from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
@@ -159,52 +156,14 @@ class MoEPPO(PPO):
         self._sync_rollout_weights()
         self._faults = {"env_runner_failures": 0, "lost_env_steps": 0, "env_runners_restored": 0,
                         "nonfinite_episodes_dropped": 0, "nonfinite_env_steps_dropped": 0}
-        stability = validate_stability(self.config.stability_settings)
-        self.anomaly = None
-        self.alerts: list = []
-        self.alerts_path = stability["alerts_path"]
-        if stability["anomaly_detection"]:
-            self.anomaly = AnomalyDetector(stability, self.config.moe_settings["num_experts"],
-                                           self.config.moe_settings["top_k"])
-        run = os.path.basename(os.path.dirname(os.path.abspath(self.alerts_path))) if self.alerts_path else "moe_rl"
-        self.prometheus = PrometheusExporter(run=run, num_experts=self.config.moe_settings["num_experts"])
-
-    def step(self):
-        results = super().step()
-        self._watch(results)
-        return results
-
-    def _watch(self, results) -> None:
-        """Anomaly detection (if enabled) over this iteration's metrics (and every actor's RSS): new
-        alerts go to the results (`moe_rl/alerts/*`, `moe_rl_alerts`), the log, and
-        `stability.alerts_path`; then the row and the alerts go to Prometheus (moe_rl.algo.prometheus)."""
-        figures = results.setdefault("moe_rl", {})
-        figures["memory/rss_mb/driver"] = rss_mb()
-        if self.config.num_env_runners > 0:
-            try:
-                for i, v in enumerate(self.env_runner_group.foreach_env_runner(
-                        lambda r: rss_mb(), local_env_runner=False)):
-                    figures[f"memory/rss_mb/runner{i + 1}"] = v
-            except ray.exceptions.RayError:   # a dead runner: fault tolerance handles it, not this watch
-                pass
-        row = metrics_row({**results, "training_iteration": self.iteration + 1})
-        new = []
-        if self.anomaly is not None:
-            new = self.anomaly.observe(row)
-            self.alerts.extend(new)
-            figures["alerts/new"], figures["alerts/total"] = len(new), len(self.alerts)
-            results["moe_rl_alerts"] = new
-            for a in new:
-                logger.warning("moe-rl alert: iteration %d %s: %s", a["iteration"], a["kind"], a["message"])
-            if new and self.alerts_path:
-                write_table(self.alerts_path, self.alerts)
-        self.prometheus.export(row, new)
+        self.monitoring = MoEMonitoring(self)   # driver-only: anomaly detection, memory, Prometheus
+        self.callbacks = force_list(self.callbacks) + [self.monitoring]
 
     def cleanup(self) -> None:
         if getattr(self, "sync_gate", None) is not None:
             self.sync_gate.close()
-        if getattr(self, "prometheus", None) is not None:
-            self.prometheus.close()
+        if getattr(self, "monitoring", None) is not None:
+            self.monitoring.close()
         super().cleanup()
 
     # --- one iteration ----------------------------------------------------------------------------
@@ -239,9 +198,6 @@ class MoEPPO(PPO):
                 self.metrics.log_value(("moe_rl", k), v, reduce="item")
             else:
                 self.metrics.log_value(("moe_rl", k), v, window=1)
-        path = self.sync_gate.s.get("ledger_path")
-        if path:
-            write_table(path, rows)
 
     # --- weights ----------------------------------------------------------------------------------
     def runner_call(self, fn, runner_ids=None, **kwargs):
@@ -276,6 +232,12 @@ class MoEPPO(PPO):
                     for mid, d in part.items():
                         self.synced_digests.setdefault(mid, {}).update(d)
                 self.sync_gate.after_sync()
+
+    def continue_ledgers(self, drift_rows, alerts_total: int) -> None:
+        """A resumed run: the gate's ledger and the alert count go on from the checkpoint's."""
+        if self.sync_gate is not None:
+            self.sync_gate.rows[:] = list(drift_rows)
+        self.monitoring.continue_from(len(drift_rows), alerts_total)
 
     def restore_last_good(self) -> None:
         """The learners back to the state of the synced version (weights and optimizer moments)."""

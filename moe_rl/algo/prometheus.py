@@ -42,7 +42,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import ray
-from ray.util.metrics import Counter, Gauge
+import ray.util.metrics as ray_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -193,9 +193,9 @@ class PrometheusExporter:
         self._last = list(self._last_by_key.values())
         if self._counters is None:
             self._counters = {
-                SYNC_DECISIONS: Counter(SYNC_DECISIONS, "moe-rl weight-sync gate decisions "
+                SYNC_DECISIONS: ray_metrics.Counter(SYNC_DECISIONS, "moe-rl weight-sync gate decisions "
                                         "(sync|warn|hold|rollback)", tag_keys=("run", "decision")),
-                ALERTS: Counter(ALERTS, "moe-rl anomaly alerts (spike|drop|breach|oscillation|memory)",
+                ALERTS: ray_metrics.Counter(ALERTS, "moe-rl anomaly alerts (spike|drop|breach|oscillation|memory)",
                                 tag_keys=("run", "kind")),
             }
         decision = row.get("drift/decision")
@@ -234,7 +234,7 @@ class PrometheusExporter:
         for name, tag_keys in new_families.items():
             self._tag_keys[name] = ("run",) + tuple(sorted(tag_keys))
             column = next(k for k, (n, _) in resolved.items() if n == name)
-            self._gauges[name] = Gauge(name, f"moe-rl metrics column {column}", tag_keys=self._tag_keys[name])
+            self._gauges[name] = ray_metrics.Gauge(name, f"moe-rl metrics column {column}", tag_keys=self._tag_keys[name])
         for key, (name, tags) in resolved.items():
             declared = self._tag_keys[name]
             if not set(tags) <= set(declared):

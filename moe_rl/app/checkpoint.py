@@ -40,7 +40,6 @@ from ray.rllib.core.rl_module.rl_module import RLModule
 from moe_rl import __version__
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.app.run_config import BUILDER_SECTIONS
-from moe_rl.app.run_dir import truncate_table
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.sharding import assemble_modules, assemble_shards
 from moe_rl.rllib.rl_module import MoEPolicyModule
@@ -414,16 +413,3 @@ def recover_learners(algo, error: BaseException, run_dir: str, restore: bool) ->
     algo.learner_group = algo.learner_group.rebuild()
     restore_checkpoint(algo, good)
     return good, who
-
-
-def continue_ledgers(algo, run_dir: str, iteration: int) -> None:
-    """drift.parquet and alerts.parquet continue from a checkpoint: their rows up to `iteration`
-    are kept and the new rows append to them (the gate's ledger and the anomaly watch of a new
-    process start empty)."""
-    gate = getattr(algo, "sync_gate", None)
-    drift = truncate_table(os.path.join(run_dir, "drift.parquet"), iteration)
-    if gate is not None:
-        gate.rows[:] = drift
-    alerts_path = getattr(algo, "alerts_path", None) or os.path.join(run_dir, "alerts.parquet")
-    if hasattr(algo, "alerts"):
-        algo.alerts[:0] = truncate_table(alerts_path, iteration)

@@ -102,10 +102,6 @@ def cmd_train(args) -> int:
         run = RunDir(out, resolved(cfg, config))
     except OSError as e:
         return _fail(str(e))
-    if config.consistency_settings.get("ledger_path") is None:
-        config.consistency(ledger_path=os.path.join(run.path, "drift.parquet"))
-    if config.stability_settings.get("alerts_path") is None:
-        config.stability(alerts_path=os.path.join(run.path, "alerts.parquet"))
     return train_loop(config, cfg, run, resume)
 
 
@@ -150,6 +146,7 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
     started_ray = ensure_ray(logical_cpus_needed(config))
 
     algo = config.build_algo()
+    algo.monitoring.run = os.path.basename(os.path.normpath(run.location))   # names the Prometheus series
     iterations, every = cfg.get("iterations", 50), cfg.get("checkpoint_every", 10)
     keep, verify_every = cfg.get("checkpoint_keep", 3), cfg.get("checkpoint_verify_every_s", 7200)
     stop_return = cfg.get("stop_return")
@@ -175,7 +172,7 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
                 result = algo.train()
                 row = metrics_row(result)
                 row["faults/learner_restarts"] = restarts
-                run.log(row)
+                run.log(row, result.get("moe_rl_drift", ()), result.get("moe_rl_alerts", ()))
                 if wandb is not None:
                     wandb.log(row, result.get("moe_rl_alerts", []))
                 print(f"iter {row['iteration']:4d}  steps {row['env_steps_total']:8d}  "
@@ -234,7 +231,7 @@ def _continue_run(algo, run, checkpoint) -> None:
     """Tables continue from the restored iteration (later rows are trained again); checkpoints
     newer than the restored one failed verification: out of the iter_* namespace with them."""
     run.continue_from(algo.iteration)
-    ck.continue_ledgers(algo, run.path, algo.iteration)
+    algo.continue_ledgers(run.drift, len(run.alerts))
     for name in ck.checkpoint_names(run.checkpoints):
         if ck.checkpoint_iteration(name) > ck.checkpoint_iteration(os.path.basename(checkpoint)):
             moved = ck.quarantine(os.path.join(run.checkpoints, name))

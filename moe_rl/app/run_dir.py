@@ -79,7 +79,9 @@ class RunDir:
                                yaml.safe_dump(resolved_config, sort_keys=False).encode())
         except OSError as e:
             raise OSError(f"output: cannot write the run directory {self.path!r}: {e.strerror}") from None
-        self.rows: List[Dict[str, Any]] = []
+        self.rows: List[Dict[str, Any]] = []        # metrics.parquet
+        self.drift: List[Dict[str, Any]] = []       # drift.parquet: the sync gate's ledger
+        self.alerts: List[Dict[str, Any]] = []      # alerts.parquet
         self.resolved_config = resolved_config
         self._tb = None
 
@@ -96,9 +98,15 @@ class RunDir:
         if self.mirror is not None:
             self.mirror.sync(self.path)
 
-    def log(self, row: Dict[str, Any]) -> None:
+    def log(self, row: Dict[str, Any], drift=(), alerts=()) -> None:
+        """One iteration: its metrics row, and the ledger rows and alerts it produced."""
         self.rows.append(row)
         write_table(os.path.join(self.path, "metrics.parquet"), self.rows)
+        for name, table, new in (("drift.parquet", self.drift, drift), ("alerts.parquet", self.alerts, alerts)):
+            path = os.path.join(self.path, name)
+            if new or (name == "alerts.parquet" and not os.path.exists(path)):   # "no alerts", not "none recorded"
+                table.extend(new)
+                write_table(path, table)
         self._tensorboard(row)
 
     def amend_last(self, extra: Dict[str, Any]) -> None:
@@ -109,9 +117,11 @@ class RunDir:
             self._tensorboard({"iteration": self.rows[-1]["iteration"], **extra})
 
     def continue_from(self, iteration: int) -> None:
-        """Continue metrics.parquet from a checkpoint: rows after `iteration` are dropped (they are
-        trained again), so the table never holds an iteration twice."""
+        """Continue every table from a checkpoint: rows after `iteration` are dropped (they are
+        trained again), so no table ever holds an iteration twice."""
         self.rows = truncate_table(os.path.join(self.path, "metrics.parquet"), iteration, self.rows or None)
+        self.drift = truncate_table(os.path.join(self.path, "drift.parquet"), iteration, self.drift or None)
+        self.alerts = truncate_table(os.path.join(self.path, "alerts.parquet"), iteration, self.alerts or None)
 
     def _tensorboard(self, row: Dict[str, Any]) -> None:
         if self._tb is None:

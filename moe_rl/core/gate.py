@@ -63,7 +63,6 @@ CONSISTENCY_DEFAULTS: Dict[str, Any] = {
     "sample_size": 512,       # rollout steps per check given to the trainer-side forward
     "probe_size": 256,        # fixed probe observations kept for the whole run
     "position_bins": [8, 16, 32, 64, 128, 256, 512, 1024],
-    "ledger_path": None,      # RUN_DIR/drift.parquet (the CLI sets it)
     "correction": {},         # rollout correction: IS / RS / veto / routing RS (moe_rl.core.correction)
 }
 ABSOLUTE_KEYS = tuple(MISMATCH_LIMITS) + tuple(UPDATE_SIGNALS)
@@ -103,8 +102,6 @@ def validate_consistency(c: dict) -> dict:
     bins = c["position_bins"]
     need(isinstance(bins, (list, tuple)) and bins and all(whole(b, 1) for b in bins) and list(bins) == sorted(bins),
          "consistency.position_bins", "an ascending list of ints >= 1", bins)
-    need(c["ledger_path"] is None or isinstance(c["ledger_path"], str), "consistency.ledger_path",
-         "null or a file path", c["ledger_path"])
     need(isinstance(c["correction"], dict), "consistency.correction", "a mapping", c["correction"])
     c["correction"] = resolve_correction(c["correction"])
     return c

@@ -58,7 +58,6 @@ STABILITY_DEFAULTS: Dict[str, Any] = {
     "health_warmup": 3,            # iterations before health-band breaches are judged
     "flip_rate_max": 0.5,          # probe-set routing flip rate above it is routing oscillation
     "rss_growth_mb": 512.0,        # an actor's RSS growing more than this over the window
-    "alerts_path": None,           # Parquet file of alerts (the CLI sets RUN_DIR/alerts.parquet)
 }
 
 
@@ -145,8 +144,6 @@ def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
         v = s[f]
         _need(isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_num(x) for x in v) and 0 <= v[0] < v[1],
               f"stability.{f}", "[low, high] with 0 <= low < high", v)
-    _need(s["alerts_path"] is None or isinstance(s["alerts_path"], str), "stability.alerts_path",
-          "null or a file path", s["alerts_path"])
     return s
 
 
