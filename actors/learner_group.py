@@ -10,9 +10,11 @@ learner nodes for it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -26,11 +28,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.core.sharding import assemble_modules
-from moe_rl.rllib.learner_group import LearnerGroupOps
+from moe_rl.rllib.learner_group import LearnerGroupOps, learner_bundles
 
 from .learner import LearnerActor
 
 GROUP_STATE = "group_state.json"
+logger = logging.getLogger("moe_rl")
 
 
 class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
@@ -41,29 +44,28 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
         self.config, self.module_spec = config, module_spec
         n = config.num_learners
         ds = config.deepspeed_settings
-        bundle = {"CPU": float(config.num_cpus_per_learner if config.num_cpus_per_learner != "auto" else 1)}
-        if config.num_gpus_per_learner:
-            bundle["GPU"] = float(config.num_gpus_per_learner)
-        # RLlib's own knob names the learner-node resource, e.g. {"moe_learner": 1}.
-        bundle.update({k: float(v) for k, v in (config.custom_resources_per_learner or {}).items()})
-        self._pg = placement_group([dict(bundle) for _ in range(n)], strategy=ds.get("placement_strategy", "PACK"))
-        timeout = ds.get("placement_timeout_s", 600)
-        try:
-            ray.get(self._pg.ready(), timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self._pg)
-            raise RuntimeError(f"learner group: {n} learner bundles of {bundle} could not be placed within "
-                               f"{timeout}s (cluster has {ray.available_resources()}); add learner nodes or "
-                               f"lower learners.num_learners / learners.custom_resources_per_learner") from None
+        # RLlib's own learner bundles (custom resources such as {"moe_learner": 1} included): the
+        # same as RLlib's resource request for Tune. Inside a Tune trial the learners take the
+        # trial's learner bundles (the last n of its placement group) instead of reserving twice.
+        bundles = learner_bundles(config)
+        trial_pg = ray.util.get_current_placement_group()
+        if trial_pg is not None and len(trial_pg.bundle_specs) >= n:
+            self._pg, self._own_pg, first = trial_pg, False, len(trial_pg.bundle_specs) - n
+        else:
+            self._pg, self._own_pg, first = placement_group(bundles, strategy=ds["placement_strategy"]), True, 0
+        logger.info("moe-rl: starting %d DeepSpeed learners (ep_size %d, each %s) ...", n,
+                    config.moe_settings["ep_size"], bundles[0])
+        t0 = time.monotonic()
         actor_cls = ray.remote(LearnerActor)
         self._workers = [
-            actor_cls.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                              resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                              scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, i)).remote(
+            actor_cls.options(num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
+                              resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
+                              scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, first + i)).remote(
                 i, n, ds.get("num_threads", 1))
-            for i in range(n)]
+            for i, b in enumerate(bundles)]
         addr, port = ray.get(self._workers[0].address.remote())
         ray.get([w.build.remote(config, module_spec, addr, port) for w in self._workers])
+        logger.info("moe-rl: DeepSpeed learners ready in %.1fs", time.monotonic() - t0)
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -185,7 +187,8 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
         for w in self._workers:
             ray.kill(w)
         self._workers = []
-        remove_placement_group(self._pg)
+        if self._own_pg:
+            remove_placement_group(self._pg)
         if getattr(self, "_snapshot_dir", None):
             shutil.rmtree(self._snapshot_dir, ignore_errors=True)
 

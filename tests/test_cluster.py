@@ -1,16 +1,13 @@
 """Cluster files validated with Ray's own validator, and `ray job submit` against a real local head."""
-import contextlib
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from helpers import free_port, local_head
 from ray.autoscaler._private.util import validate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,36 +56,11 @@ def test_cluster_run_config_is_valid():
     assert config.uses_deepspeed and config.custom_resources_per_learner == {"moe_learner": 1}
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def local_head(*start_args, start_env=None):
-    """A real Ray head on loopback (started with the CLI, as a user would), stopped afterwards.
-    Yields (ray CLI path, client env, dashboard address)."""
-    bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-           "PATH": bindir + os.pathsep + os.environ["PATH"]}
-    ray_cli = shutil.which("ray", path=env["PATH"])
-    dash = _free_port()
-    subprocess.run([ray_cli, "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                    "--disable-usage-stats", *start_args], env={**env, **(start_env or {})},
-                   check=True, capture_output=True, timeout=120)
-    try:
-        yield ray_cli, env, f"http://127.0.0.1:{dash}"
-    finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        time.sleep(1)
-
-
 @pytest.mark.slow
 def test_ray_job_submit_runs_the_quickstart(tmp_path):
     """A real local head (loopback only), `ray job submit` of two quickstart iterations, then
     `ray stop`. The job must SUCCEED and leave a complete run directory."""
-    with local_head("--port", str(_free_port()), "--num-cpus", "4") as (ray_cli, env, address):
+    with local_head("--port", str(free_port()), "--num-cpus", "4") as (ray_cli, env, address):
         out = tmp_path / "run"
         p = subprocess.run(
             [ray_cli, "job", "submit", "--address", address, "--working-dir", ROOT, "--",

@@ -1,49 +1,14 @@
 """DeepSpeed-MoE learner group: real Ray actors, real DeepSpeed engines, ep_size=2 over gloo."""
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ENV, adam_moments, batch, ds_config, shard_loss
 from ray.rllib.core.columns import Columns
 
-from moe_rl import MoEPPOConfig
-from moe_rl.core.losses import moe_aux_losses
 from moe_rl.core.settings import ConfigError
 from moe_rl.core.sharding import ShardError, assemble_shards, to_global_name
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
-
-ENV = gym.make("CartPole-v1")
-RNG = np.random.default_rng(0)
-
-
-def ds_config(**moe):
-    return (MoEPPOConfig().environment("CartPole-v1")
-            .env_runners(num_env_runners=1, num_envs_per_env_runner=2)
-            .training(lr=1e-3, train_batch_size_per_learner=400, minibatch_size=100, num_epochs=2,
-                      vf_loss_coeff=0.5, vf_clip_param=1000.0)
-            .learners(num_learners=2)
-            .moe(**{"num_experts": 4, "top_k": 2, "ep_size": 2, "d_model": 16, "d_ff": 16, **moe})
-            .deepspeed(config={"gradient_clipping": 0.0})
-            .debugging(seed=0))
-
-
-def shard_loss(module, obs, actions):
-    out = module.forward_train({Columns.OBS: obs})
-    logp = torch.log_softmax(out[Columns.ACTION_DIST_INPUTS], -1).gather(1, actions[:, None]).squeeze(1)
-    extra, _, _ = moe_aux_losses(out[MOE_ROUTING], 0.01, 0.001)
-    return -logp.mean() + 0.1 * module.compute_values({Columns.OBS: obs}).pow(2).mean() + extra
-
-
-def batch(n):
-    return (torch.as_tensor(RNG.uniform(-1, 1, (n, 4)), dtype=torch.float32),
-            torch.as_tensor(RNG.integers(0, 2, n)))
-
-
-def adam_moments(group):
-    """Every learner's Adam state tensors, copied."""
-    return group.foreach_learner(lambda l: [
-        {k: v.clone() for k, v in st.items() if torch.is_tensor(v)}
-        for st in l._engines["default_policy"].optimizer.state_dict()["state"].values()])
 
 
 def learner_step(learner, data):

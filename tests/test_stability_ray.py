@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from test_learner_group import ENV, adam_moments, batch, ds_config, shard_loss
+from helpers import ENV, adam_moments, batch, ds_config, shard_loss
 
 from moe_rl import MoEPPOConfig
 

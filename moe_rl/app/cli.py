@@ -23,6 +23,16 @@ from typing import List, Optional
 
 import ray
 
+from moe_rl.algo.resources import (
+    ResourceWait,
+    WaitWatch,
+    cluster_view,
+    describe,
+    fmt_bundle,
+    run_demand,
+    shortfall,
+    suggestion,
+)
 from moe_rl.algo.results import metrics_row
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.app import checkpoint as ck
@@ -142,10 +152,16 @@ def _check_resume(args, saved, new, other_config) -> None:
 
 
 def train_loop(config, cfg, run, resume_from=None) -> int:
-
-    started_ray = ensure_ray(logical_cpus_needed(config))
-
-    algo = config.build_algo()
+    demand = run_demand(config)
+    started_ray = ensure_ray(math.ceil(demand.total().get("CPU", 0)) + 1)   # + the driver's own work
+    algo = None
+    try:
+        algo = _build_within_the_cluster(config, cfg, demand)
+    except ResourceWait as e:
+        run.mark_incomplete(str(e))
+        if started_ray:
+            ray.shutdown()   # ends this job: its half-started actors and placement groups go with it
+        return _fail(str(e), 1)
     algo.monitoring.run = os.path.basename(os.path.normpath(run.location))   # names the Prometheus series
     iterations, every = cfg.get("iterations", 50), cfg.get("checkpoint_every", 10)
     keep, verify_every = cfg.get("checkpoint_keep", 3), cfg.get("checkpoint_verify_every_s", 7200)
@@ -159,7 +175,9 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
     try:
         if resume_from:
             try:
+                phase = Phase(f"verifying and restoring {resume_from}")
                 ck.restore_checkpoint(algo, resume_from)
+                phase.done()
             except (OSError, RuntimeError, ValueError, KeyError, ray.exceptions.RayError) as e:
                 # e.g. a learner state file that is not plain data (refused by the weights-only load)
                 lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
@@ -255,6 +273,46 @@ def _verify(algo, path, resolved_config):
     return {"checkpoint/verified": int(ok), "checkpoint/verify_max_abs_diff": diff}
 
 
+def _build_within_the_cluster(config, cfg, demand):
+    """Say what the run needs and what the cluster has, refuse a run a fixed cluster can never
+    hold, and build the algorithm with a progress line every 30 s while actors wait; give up after
+    cluster.wait_timeout_s (default: 120 s on a fixed cluster, no limit with an autoscaler)."""
+    view = cluster_view()
+    total, _, scaler = view
+    print(describe(demand, view), flush=True)
+    never = shortfall(demand.total(), total)
+    if never and not scaler:
+        raise ResourceWait(f"this fixed cluster can never hold the run: it lacks {fmt_bundle(never)} in total; "
+                           f"the smallest change that fits: {suggestion(config, never, total)}")
+    section = cfg.get("cluster") or {}
+    timeout = section.get("wait_timeout_s", None if scaler else DEFAULT_WAIT_TIMEOUT_S)
+    phase = Phase(f"building the algorithm ({config.num_env_runners} env runners, {config.num_learners} learners)")
+    try:
+        with WaitWatch(demand, timeout):
+            algo = config.build_algo()
+    except ResourceWait:
+        _, free, _ = cluster_view()
+        missing = shortfall(demand.total(), free) or demand.total()
+        raise ResourceWait(f"gave up after {timeout:g}s waiting for {fmt_bundle(missing)} (cluster.wait_timeout_s); "
+                           f"the smallest change that fits: {suggestion(config, missing, free)}") from None
+    phase.done()
+    return algo
+
+
+DEFAULT_WAIT_TIMEOUT_S = 120.0
+
+
+class Phase:
+    """A long phase says what it does: one start line, one done line with the time taken."""
+
+    def __init__(self, what: str):
+        self.what, self.t0 = what, time.monotonic()
+        print(f"moe-rl: {what} ...", flush=True)
+
+    def done(self, note: str = "") -> None:
+        print(f"moe-rl: {self.what}: done in {time.monotonic() - self.t0:.1f}s{note}", flush=True)
+
+
 def ensure_ray(min_cpus: int) -> bool:
     """Connect to RAY_ADDRESS (as under `ray job submit`) or start an embedded Ray on loopback
     offering at least `min_cpus` logical CPUs (actors then share the cores; a smaller head would
@@ -262,18 +320,15 @@ def ensure_ray(min_cpus: int) -> bool:
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
+        phase = Phase(f"connecting to the Ray cluster at {os.environ['RAY_ADDRESS']}")
         ray.init()
     else:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(os.cpu_count() or 1, min_cpus))
+        cpus = max(os.cpu_count() or 1, min_cpus)
+        phase = Phase(f"starting a local Ray on 127.0.0.1 ({cpus} logical CPUs)")
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=cpus)
+    phase.done()
     return True
-
-
-def logical_cpus_needed(config) -> int:
-    def cpus(v):
-        return 1 if v == "auto" else v
-    return int(1 + config.num_env_runners * cpus(config.num_cpus_per_env_runner)
-               + config.num_learners * cpus(config.num_cpus_per_learner))
 
 
 def cmd_report(args) -> int:

@@ -18,6 +18,7 @@ A run config is a plain mapping whose sections are named after the MoEPPOConfig 
     stability: {}
     consistency: {}
     wandb: {project: moe-rl, mode: offline}   # optional: log every row to Weights & Biases
+    cluster: {wait_timeout_s: 120}            # give up when the actors cannot be placed (null: no limit)
 
 Everything here fails fast with ConfigError (one line naming the field) before Ray starts.
 """
@@ -43,7 +44,8 @@ from moe_rl.core.stability import validate_stability
 BUILDER_SECTIONS = ("env_runners", "learners", "training")
 TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "stop_return": (int, float, type(None)),
              "checkpoint_every": int, "output": str, "checkpoint_keep": int,
-             "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool, "wandb": (dict, type(None))}
+             "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool, "wandb": (dict, type(None)),
+             "cluster": dict}
 RUN_DEFAULTS = {"checkpoint_keep": 3, "checkpoint_verify_every_s": 7200, "restore_on_learner_failure": True}
 SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency")
 
@@ -119,6 +121,7 @@ def validate_run_config(cfg: Dict[str, Any]):
     if cfg.get("stop_return") is not None and not math.isfinite(cfg["stop_return"]):
         raise ConfigError(f"stop_return: must be a finite number or null, got {cfg['stop_return']!r}")
     validate_wandb(cfg.get("wandb"))
+    _check_cluster(cfg.get("cluster") or {})
     env = cfg.get("env")
     if not env:
         raise ConfigError("env: must be a gymnasium environment id, got nothing")
@@ -179,6 +182,16 @@ def _check_numbers(section: str, values: Dict[str, Any]) -> None:
     for k in _UNIT.get(section, ()):
         if k in values and num(k) and not 0 <= values[k] <= 1:
             raise ConfigError(f"{section}.{k}: must be in [0, 1], got {values[k]!r}")
+
+
+def _check_cluster(section: Dict[str, Any]) -> None:
+    """cluster: {wait_timeout_s: seconds to wait for the run's actors to be placed; null: no limit}."""
+    unknown = sorted(set(section) - {"wait_timeout_s"})
+    if unknown:
+        raise ConfigError(f"cluster.{unknown[0]}: unknown key, allowed: wait_timeout_s")
+    v = section.get("wait_timeout_s", 1.0)
+    if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0):
+        raise ConfigError(f"cluster.wait_timeout_s: must be a number of seconds > 0 or null (no limit), got {v!r}")
 
 
 def _check_env(env_id: str) -> None:

@@ -14,6 +14,8 @@ from tensorboardX import SummaryWriter
 
 from moe_rl.algo.results import atomic_write_bytes, write_table
 
+INCOMPLETE = "INCOMPLETE"
+
 
 def is_uri(path: str) -> bool:
     return "://" in path
@@ -131,6 +133,11 @@ class RunDir:
             if k != "iteration" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 self._tb.add_scalar(k, v, step)
         self._tb.flush()
+
+    def mark_incomplete(self, reason: str) -> None:
+        """The run never started (or stopped before its first iteration): RUN_DIR/INCOMPLETE says why."""
+        atomic_write_bytes(os.path.join(self.path, INCOMPLETE), (reason.rstrip() + "\n").encode())
+        self.sync()
 
     def close(self) -> None:
         if self._tb is not None:

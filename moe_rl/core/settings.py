@@ -124,7 +124,6 @@ DEEPSPEED_DEFAULTS: Dict[str, Any] = {
     "config": {},                # DeepSpeed config dict (or a JSON file path), passed to deepspeed.initialize
     "num_threads": 1,            # torch intra-op threads per learner process
     "placement_strategy": "PACK",
-    "placement_timeout_s": 600,
 }
 
 
