@@ -97,7 +97,7 @@ class ConsistencyActor:
         t0 = time.perf_counter()
         rows: Dict[str, Dict[str, Any]] = {}
         mismatch, signals = [], {}
-        for mid in sorted(set(trainer) | set(candidate_view)):
+        for mid in sorted(set(trainer) | set(candidate_view) | set(stats["terms"])):
             row = rows[mid] = {"iteration": iteration, "module_id": mid, "sync_id": self.sync_id,
                                "weights_version": version, "lag_versions": lag}
             if mid in trainer and mid in rollout and len(rollout[mid]["logp"]):

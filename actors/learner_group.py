@@ -90,7 +90,7 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
     def memory_stats(self) -> List[Dict[str, float]]:
         return ray.get([w.memory_stats.remote() for w in self._workers])
 
-    def trainer_view(self, data: Dict[str, Dict[str, Any]], replay: bool = False) -> Dict[str, Dict[str, Any]]:
+    def trainer_view(self, data: Dict[str, Dict[str, Any]], replay: Optional[bool] = None) -> Dict[str, Dict[str, Any]]:
         """The rollout sample split over the learners (every rank must run the collective
         forward), the views concatenated back in order."""
         n = len(self)

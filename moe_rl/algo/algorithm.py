@@ -151,7 +151,8 @@ class MoEPPO(PPO):
         if settings["enabled"]:
             self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
             discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
-                lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()})[1][0].items()}
+                lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()
+                           if isinstance(mod, MoEPolicyModule)})[1][0].items()}
             self.sync_gate = SyncGate(self, settings, discrete)
         self._sync_rollout_weights()
         self._faults = {"env_runner_failures": 0, "lost_env_steps": 0, "env_runners_restored": 0,

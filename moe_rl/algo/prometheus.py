@@ -234,7 +234,8 @@ class PrometheusExporter:
         for name, tag_keys in new_families.items():
             self._tag_keys[name] = ("run",) + tuple(sorted(tag_keys))
             column = next(k for k, (n, _) in resolved.items() if n == name)
-            self._gauges[name] = ray_metrics.Gauge(name, f"moe-rl metrics column {column}", tag_keys=self._tag_keys[name])
+            self._gauges[name] = ray_metrics.Gauge(name, f"moe-rl metrics column {column}",
+                                                   tag_keys=self._tag_keys[name])
         for key, (name, tags) in resolved.items():
             declared = self._tag_keys[name]
             if not set(tags) <= set(declared):

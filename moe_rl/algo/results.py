@@ -25,6 +25,7 @@ from typing import Any, Dict, List
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from ray.rllib.core import ALL_MODULES, DEFAULT_MODULE_ID
 
 from moe_rl.core.metrics import GRADES
 
@@ -39,10 +40,25 @@ def _float(v) -> float:
         return math.nan
 
 
-def metrics_row(result: Dict[str, Any], module_id: str = "default_policy") -> Dict[str, Any]:
-    """One metrics.parquet row from an RLlib `algo.train()` result."""
+def _learner_columns(learner: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    row = {prefix + k: _float(learner.get(k)) for k in LEARNER_KEYS}
+    for k, v in sorted(learner.items()):
+        if k.startswith(LEARNER_PREFIXES):
+            row[prefix + k] = _float(v)
+    level = row.get(prefix + "moe/health")
+    if level is not None and not math.isnan(level):
+        row[prefix + "moe/health_level"] = int(level)
+        row[prefix + "moe/health"] = GRADES[int(level)]
+    return row
+
+
+def metrics_row(result: Dict[str, Any]) -> Dict[str, Any]:
+    """One metrics.parquet row from an RLlib `algo.train()` result. One module (RLlib's
+    `default_policy`): its figures under their bare names. Several (multi-agent): each under
+    `<module_id>/`, and the bare `moe/...` headline figures are those of the MoE module in the
+    worst health (the progress line and the anomaly watch follow them)."""
     runners = result.get("env_runners", {})
-    learner = result.get("learners", {}).get(module_id, {})
+    learners = {m: v for m, v in result.get("learners", {}).items() if m != ALL_MODULES and isinstance(v, dict)}
     row = {
         "iteration": int(result.get("training_iteration", 0)),
         "env_steps_total": int(result.get("num_env_steps_sampled_lifetime",
@@ -52,14 +68,15 @@ def metrics_row(result: Dict[str, Any], module_id: str = "default_policy") -> Di
         "episode_len_mean": _float(runners.get("episode_len_mean")),
         "weights_seq_no": _float(runners.get("weights_seq_no")),
     }
-    row.update({k: _float(learner.get(k)) for k in LEARNER_KEYS})
-    for k, v in sorted(learner.items()):
-        if k.startswith(LEARNER_PREFIXES):
-            row[k] = _float(v)
-    level = row.get("moe/health")
-    if level is not None and not math.isnan(level):
-        row["moe/health_level"] = int(level)
-        row["moe/health"] = GRADES[int(level)]
+    if set(learners) <= {DEFAULT_MODULE_ID}:
+        row.update(_learner_columns(learners.get(DEFAULT_MODULE_ID, {})))
+    else:
+        for mid, learner in sorted(learners.items()):
+            row.update(_learner_columns(learner, f"{mid}/"))
+        moe = [m for m in learners if "moe/health" in learners[m]]
+        if moe:
+            worst = max(moe, key=lambda m: _float(learners[m].get("moe/health")))
+            row.update({k: v for k, v in _learner_columns(learners[worst]).items() if k.startswith("moe/")})
     for k, v in sorted(result.get("moe_rl", {}).items()):  # algorithm-level figures (drift, ...)
         row[k] = v if isinstance(v, str) else _float(v)
     return row

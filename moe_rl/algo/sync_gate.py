@@ -21,12 +21,13 @@ import ray
 import tree
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
+from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from actors.consistency import ConsistencyActor
 from moe_rl.core.digests import differing, max_abs_diff
 from moe_rl.core.drift import format_breach
-from moe_rl.rllib.rl_module import MOE_TOPK, replays_routing
+from moe_rl.rllib.rl_module import MOE_TOPK
 from moe_rl.rllib.runner import runner_digests, runner_tensor
 
 logger = logging.getLogger("moe_rl")
@@ -37,28 +38,42 @@ class GateStop(RuntimeError):
     and how to resume."""
 
 
-def rollout_sample(episodes, size: int, seed: int, module_id: str = DEFAULT_MODULE_ID) -> Dict[str, Dict[str, Any]]:
-    """Up to `size` recorded steps (uniformly over all steps) per module: obs, actions, the
-    rollout's log-probs and top-k, the weights version of each step, and the position for
-    token-sequence observations."""
-    parts = []
+def _single_agent_episodes(episodes, default_module: str):
+    """(module id, single-agent episode) of every agent in a batch of (multi-agent) episodes."""
     for ep in episodes:
+        if isinstance(ep, MultiAgentEpisode):
+            for sa in ep.agent_episodes.values():
+                yield sa.module_id, sa
+        else:
+            yield default_module, ep
+
+
+def rollout_sample(episodes, size: int, seed: int, modules=None,
+                   default_module: str = DEFAULT_MODULE_ID) -> Dict[str, Dict[str, Any]]:
+    """Up to `size` recorded steps per MoE module (uniformly over its steps): obs, actions, the
+    rollout's log-probs and top-k, the weights version of each step, and the position for
+    token-sequence observations. `modules`: the MoE module ids (None: every module)."""
+    parts: Dict[str, list] = {}
+    for mid, ep in _single_agent_episodes(episodes, default_module):
         n = len(ep)
-        if n:
-            parts.append({"obs": ep.get_observations(slice(0, n)), "actions": np.asarray(ep.get_actions(slice(0, n))),
-                          "logp": ep.get_extra_model_outputs(Columns.ACTION_LOGP, slice(0, n)),
-                          "topk": ep.get_extra_model_outputs(MOE_TOPK, slice(0, n)),
-                          "seq": ep.get_extra_model_outputs(WEIGHTS_SEQ_NO, slice(0, n))})
-    if not parts:
-        return {}
-    data = tree.map_structure(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
-    total = len(data["actions"])
-    pick = np.sort(np.random.default_rng(seed).choice(total, size=min(size, total), replace=False))
-    data = tree.map_structure(lambda x: x[pick], data)
-    data["logp"] = data["logp"].astype(np.float64)
-    obs = data["obs"]
-    data["positions"] = np.asarray(obs["position"]).reshape(-1) if isinstance(obs, dict) and "position" in obs else None
-    return {module_id: data}
+        if n and (modules is None or mid in modules):
+            parts.setdefault(mid, []).append({
+                "obs": ep.get_observations(slice(0, n)), "actions": np.asarray(ep.get_actions(slice(0, n))),
+                "logp": ep.get_extra_model_outputs(Columns.ACTION_LOGP, slice(0, n)),
+                "topk": ep.get_extra_model_outputs(MOE_TOPK, slice(0, n)),
+                "seq": ep.get_extra_model_outputs(WEIGHTS_SEQ_NO, slice(0, n))})
+    out = {}
+    for i, (mid, ps) in enumerate(sorted(parts.items())):
+        data = tree.map_structure(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *ps)
+        total = len(data["actions"])
+        pick = np.sort(np.random.default_rng(seed + 7919 * i).choice(total, size=min(size, total), replace=False))
+        data = tree.map_structure(lambda x: x[pick], data)
+        data["logp"] = data["logp"].astype(np.float64)
+        obs = data["obs"]
+        data["positions"] = (np.asarray(obs["position"]).reshape(-1) if isinstance(obs, dict) and "position" in obs
+                             else None)
+        out[mid] = data
+    return out
 
 
 def _merge(parts: List[Dict[str, Dict]]) -> Dict[str, Dict]:
@@ -73,7 +88,7 @@ class SyncGate:
     def __init__(self, algo, settings: Dict[str, Any], discrete: Dict[str, bool]):
         self.algo, self.s = algo, settings
         self.actor = ray.remote(ConsistencyActor).options(num_cpus=0).remote(settings, discrete)
-        self.replay = replays_routing(algo.config.moe_settings)
+        self.moe_modules = set(discrete)   # the modules whose rollout copy records routing
         self.rows: List[Dict[str, Any]] = []
         self.repairs = 0
         self._snapshot = None
@@ -91,11 +106,11 @@ class SyncGate:
     # --- before the update ------------------------------------------------------------------------
     def before_update(self, episodes) -> None:
         algo = self.algo
-        data = rollout_sample(episodes, self.s["sample_size"], seed=algo.iteration)
+        data = rollout_sample(episodes, self.s["sample_size"], seed=algo.iteration, modules=self.moe_modules)
         if not ray.get(self.actor.has_probe.remote()) and data:
             probe = {mid: tree.map_structure(lambda x: x[: self.s["probe_size"]], d["obs"]) for mid, d in data.items()}
             ray.get(self.actor.set_probe.remote(probe, self.group.trainer_view(
-                {mid: {"obs": o} for mid, o in probe.items()})))
+                {mid: {"obs": o} for mid, o in probe.items()}, replay=False)))
         corrupt = self._check_copies()
         lag = algo.updates_since_sync
         rollout, asked = {}, {}
@@ -106,7 +121,7 @@ class SyncGate:
             d = tree.map_structure(lambda x: x[keep] if isinstance(x, np.ndarray) else x, d)
             rollout[mid] = {"logp": d["logp"], "topk": d["topk"], "positions": d["positions"]}
             asked[mid] = {"obs": d["obs"], "actions": d["actions"], "topk": d["topk"]}
-        view = self.group.trainer_view(asked, replay=self.replay) if asked else {}
+        view = self.group.trainer_view(asked) if asked else {}   # each module replays as it trains
         self._pre = {"rollout": rollout, "trainer": view, "lag": lag, "corrupt": corrupt}
 
     def _check_copies(self) -> List[str]:
@@ -169,7 +184,8 @@ class SyncGate:
         replicas = self._check_replicas()
         stats = self.group.weight_stats(algo.synced_refs)
         probe = ray.get(self.actor.get_probe.remote())
-        candidate = self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}) if probe else {}
+        candidate = (self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}, replay=False)
+                     if probe else {})
         result = ray.get(self.actor.check.remote(
             iteration=algo.iteration + 1, version=algo.weights_version, lag=pre["lag"], rollout=pre["rollout"],
             trainer=pre["trainer"], stats=stats, candidate_view=candidate, corrupt=pre["corrupt"],

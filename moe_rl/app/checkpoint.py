@@ -33,9 +33,11 @@ import ray
 import torch
 import tree
 import yaml
+from ray.rllib.algorithms.ppo.ppo_catalog import PPOCatalog
+from ray.rllib.algorithms.ppo.torch.default_ppo_torch_rl_module import DefaultPPOTorchRLModule
 from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.columns import Columns
-from ray.rllib.core.rl_module.rl_module import RLModule
+from ray.rllib.core.rl_module.rl_module import RLModule, RLModuleSpec
 
 from moe_rl import __version__
 from moe_rl.algo.algorithm import MoEPPOConfig
@@ -268,9 +270,16 @@ def restore_checkpoint(algo, path: str) -> Dict[str, Any]:
 
 
 # --- the policy in a checkpoint, and periodic weight verification -------------------------------
+def module_settings(cfg: dict, module_id: str) -> Optional[Dict[str, Any]]:
+    """The `moe` settings of a run's module (its multi-agent overrides merged in); None: a plain
+    RLlib PPO module."""
+    policy = ((cfg.get("multi_agent") or {}).get("policies") or {}).get(module_id) or {}
+    return None if policy.get("dense") else {**cfg["moe"], **(policy.get("moe") or {})}
+
+
 def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
-                module_id: str = DEFAULT_MODULE_ID) -> MoEPolicyModule:
-    """The policy from a checkpoint: RLlib's RLModule directory, or (DeepSpeed learner group) the
+                module_id: str = DEFAULT_MODULE_ID) -> RLModule:
+    """A module from a checkpoint: RLlib's RLModule directory, or (DeepSpeed learner group) the
     per-learner parts module_shard_rank*.pt, assembled strictly and loaded without unpickling code."""
     path = os.path.join(checkpoint, "learner_group", "learner", "rl_module", module_id)
     if os.path.isdir(path):
@@ -278,10 +287,12 @@ def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
     shard_files = sorted(glob.glob(os.path.join(checkpoint, "learner_group", "module_shard_rank*.pt")))
     if not shard_files:
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds neither an RLModule nor learner shards")
-    module = MoEPolicyModule(observation_space=observation_space, action_space=action_space,
-                             model_config={"moe": cfg["moe"]}, inference_only=False)
-    parts = [torch.load(f, weights_only=True) for f in shard_files]
-    full = assemble_modules(parts)
+    moe = module_settings(cfg, module_id)
+    spec = (RLModuleSpec(module_class=MoEPolicyModule, model_config={"moe": moe}) if moe is not None else
+            RLModuleSpec(module_class=DefaultPPOTorchRLModule, catalog_class=PPOCatalog, model_config={}))
+    spec.observation_space, spec.action_space, spec.inference_only = observation_space, action_space, False
+    module = spec.build()
+    full = assemble_modules([torch.load(f, weights_only=True) for f in shard_files])
     if module_id not in full:
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no module {module_id!r}")
     module.load_state_dict(assemble_shards([full[module_id]], module.state_dict().keys()), strict=True)
@@ -312,27 +323,27 @@ def probe_batch(observation_space, size: int = 32, seed: int = 0):
 
 def verify_weights(algo, path: str, run_config: Dict[str, Any], probe_size: int = 32,
                    tol: float = 1e-6) -> Tuple[bool, float]:
-    """Load the checkpoint's policy from its files (as `moe-rl evaluate` loads it) into a fresh
-    module and compare its outputs on a probe batch with the live policy's: the live weights
-    (every learner's published part) in the same rollout-side module class. Returns (ok, max abs diff)."""
+    """Load every module of the checkpoint from its files (as `moe-rl evaluate` loads it) and
+    compare its outputs on a probe batch with the live weights' (every learner's published part,
+    in the same module class). Returns (ok, worst max abs diff)."""
     group = algo.learner_group
-    live_state = assemble_modules(ray.get(group.publish_weights(inference_only=False)))[DEFAULT_MODULE_ID]
-    obs_space, act_space = group.publishers(
-        lambda l: (l.module[DEFAULT_MODULE_ID].observation_space, l.module[DEFAULT_MODULE_ID].action_space))[0]
-    obs = probe_batch(obs_space, probe_size)
-    loaded = load_policy(path, run_config, obs_space, act_space)
-    ckpt = _forward_outputs(loaded, obs)
-    loaded.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in live_state.items()}, strict=True)
-    live = _forward_outputs(loaded, obs)
-    if set(ckpt) != set(live):
-        return False, float("inf")
-    diff = 0.0
-    for k in live:
-        if ckpt[k].shape != live[k].shape:
+    live_state = assemble_modules(ray.get(group.publish_weights(inference_only=False)))
+    spaces = group.publishers(lambda l: {m: (l.module[m].observation_space, l.module[m].action_space)
+                                         for m in l.module.keys()})[0]
+    worst = 0.0
+    for mid, state in live_state.items():
+        obs_space, act_space = spaces[mid]
+        obs = probe_batch(obs_space, probe_size)
+        loaded = load_policy(path, run_config, obs_space, act_space, mid)
+        ckpt = _forward_outputs(loaded, obs)
+        loaded.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True)
+        live = _forward_outputs(loaded, obs)
+        if set(ckpt) != set(live) or any(ckpt[k].shape != live[k].shape for k in live):
             return False, float("inf")
-        if ckpt[k].size:
-            diff = max(diff, float(np.nan_to_num(np.abs(ckpt[k] - live[k]), nan=np.inf).max()))
-    return diff <= tol, diff
+        for k in live:
+            if ckpt[k].size:
+                worst = max(worst, float(np.nan_to_num(np.abs(ckpt[k] - live[k]), nan=np.inf).max()))
+    return worst <= tol, worst
 
 
 # --- resume and learner failures ------------------------------------------------------------------

@@ -25,7 +25,8 @@ SOURCES = {
 
 def study_config(seq_len: int, source: str, seed: int, prompt_len: int = 8):
     moe, learners = SOURCES[source]
-    bins = sorted({b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < seq_len + prompt_len} | {seq_len + prompt_len})
+    top = seq_len + prompt_len
+    bins = sorted({b for b in (8, 16, 32, 64, 128, 256, 512, 1024) if b < top} | {top})
     return (MoEPPOConfig()
             .environment("moe_rl/TokenSequence-v0", env_config={"seq_len": seq_len, "prompt_len": prompt_len,
                                                                 "vocab_size": 8})

@@ -12,6 +12,7 @@ import yaml
 from ray.rllib.core.columns import Columns
 
 import envs  # noqa: F401  registers moe_rl/ envs
+from moe_rl.algo.multi_agent import import_path, validate_multi_agent
 from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy
 from moe_rl.core.errors import ConfigError
 
@@ -42,12 +43,15 @@ def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
         raise ConfigError(f"RUN_DIR: {run_dir!r} has no good checkpoint under checkpoints/")
     with open(cfg_path) as f:
         cfg = yaml.safe_load(f)
+    seed = int(cfg.get("seed", 0)) + 10_000
+    if cfg.get("multi_agent"):
+        return _evaluate_multi_agent(cfg, ckpt, episodes, seed)
     env = gym.make(cfg["env"], **(cfg.get("env_config") or {}))
     module = load_policy(ckpt, cfg, env.observation_space, env.action_space)
     module.eval()
     returns = []
     for ep in range(episodes):
-        obs, _ = env.reset(seed=int(cfg.get("seed", 0)) + 10_000 + ep)
+        obs, _ = env.reset(seed=seed + ep)
         total, done = 0.0, False
         while not done:
             obs, r, term, trunc, _ = env.step(greedy_action(module, obs, env.action_space))
@@ -55,4 +59,29 @@ def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
             done = term or trunc
         returns.append(total)
     env.close()
+    return float(np.mean(returns)), returns
+
+
+def _evaluate_multi_agent(cfg, ckpt, episodes: int, seed: int) -> Tuple[float, List[float]]:
+    """Every agent acts greedily with its own module (the run's mapping); an episode's return is
+    the sum over agents, as RLlib reports it."""
+    env = import_path(cfg["env"], "env")(cfg.get("env_config") or {})
+    mapping = validate_multi_agent(cfg["multi_agent"], cfg["moe"], None)["mapping_fn"]
+    modules = {}
+    returns = []
+    for ep in range(episodes):
+        obs, _ = env.reset(seed=seed + ep)
+        total, done = 0.0, False
+        while not done:
+            actions = {}
+            for aid, o in obs.items():
+                mid = mapping(aid, None)
+                if mid not in modules:
+                    modules[mid] = load_policy(ckpt, cfg, env.get_observation_space(aid), env.get_action_space(aid),
+                                               mid).eval()
+                actions[aid] = greedy_action(modules[mid], o, env.get_action_space(aid))
+            obs, rewards, term, trunc, _ = env.step(actions)
+            total += float(sum(rewards.values()))
+            done = term.get("__all__", False) or trunc.get("__all__", False)
+        returns.append(total)
     return float(np.mean(returns)), returns

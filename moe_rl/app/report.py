@@ -267,7 +267,8 @@ def _utilisation(m, n) -> list:
         y_range = (0.0, min(1.0, max(top, WARN_HIGH / n) * 1.25))
     out.append(xy_plot_svg(series, f"min / max expert utilisation vs health bands (N={n or '?'})",
                            ylabel="share of tokens", bands=bands, hlines=hlines, y_range=y_range))
-    note = "per-expert utilisation not logged: layer min/max shares shown; bands green healthy, orange warning, red danger"
+    note = ("per-expert utilisation not logged: layer min/max shares shown; "
+            "bands green healthy, orange warning, red danger")
     return [_figs(out), f'<p class="sub">{note}</p>']
 
 

@@ -19,6 +19,7 @@ A run config is a plain mapping whose sections are named after the MoEPPOConfig 
     consistency: {}
     wandb: {project: moe-rl, mode: offline}   # optional: log every row to Weights & Biases
     cluster: {wait_timeout_s: 120}            # give up when the actors cannot be placed (null: no limit)
+    multi_agent: {policies: {p0: {}, p1: {dense: true}}, mapping: {"0": p0, "1": p1}}   # moe_rl.algo.multi_agent
 
 Everything here fails fast with ConfigError (one line naming the field) before Ray starts.
 """
@@ -36,6 +37,7 @@ import yaml
 
 import envs  # noqa: F401  registers the moe_rl/ namespace
 from moe_rl.algo.algorithm import MoEPPOConfig
+from moe_rl.algo.multi_agent import apply_multi_agent, import_path, validate_multi_agent
 from moe_rl.app.wandb_logger import validate_wandb
 from moe_rl.core.gate import validate_consistency
 from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
@@ -45,7 +47,7 @@ BUILDER_SECTIONS = ("env_runners", "learners", "training")
 TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "stop_return": (int, float, type(None)),
              "checkpoint_every": int, "output": str, "checkpoint_keep": int,
              "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool, "wandb": (dict, type(None)),
-             "cluster": dict}
+             "cluster": dict, "multi_agent": dict}
 RUN_DEFAULTS = {"checkpoint_keep": 3, "checkpoint_verify_every_s": 7200, "restore_on_learner_failure": True}
 SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency")
 
@@ -124,10 +126,8 @@ def validate_run_config(cfg: Dict[str, Any]):
     _check_cluster(cfg.get("cluster") or {})
     env = cfg.get("env")
     if not env:
-        raise ConfigError("env: must be a gymnasium environment id, got nothing")
-    _check_env(env)
-
-    config = MoEPPOConfig().environment(env, env_config=cfg.get("env_config") or {})
+        raise ConfigError("env: must be a gymnasium environment id or an import path, got nothing")
+    config = MoEPPOConfig().environment(_resolve_env(env), env_config=cfg.get("env_config") or {})
     for section in SECTIONS:
         values = cfg.get(section) or {}
         if not isinstance(values, dict):
@@ -145,6 +145,9 @@ def validate_run_config(cfg: Dict[str, Any]):
     config.consistency(**(cfg.get("consistency") or {}))
     config.debugging(seed=cfg.get("seed", 0))
     validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
+    if cfg.get("multi_agent") is not None:
+        apply_multi_agent(config, validate_multi_agent(cfg["multi_agent"], {**MOE_DEFAULTS, **config.moe_settings},
+                                                       config.num_learners))
     resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
     validate_consistency(config.consistency_settings)
     validate_stability(config.stability_settings)
@@ -192,6 +195,15 @@ def _check_cluster(section: Dict[str, Any]) -> None:
     v = section.get("wait_timeout_s", 1.0)
     if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0):
         raise ConfigError(f"cluster.wait_timeout_s: must be a number of seconds > 0 or null (no limit), got {v!r}")
+
+
+def _resolve_env(env_id: str):
+    """A registered gymnasium id (moe_rl/ envs included), or `package.module:EnvClass` (RLlib's
+    MultiAgentEnv classes among them), which every rollout actor imports the same way."""
+    if ":" in env_id and not env_id.startswith("moe_rl/"):
+        return import_path(env_id, "env")
+    _check_env(env_id)
+    return env_id
 
 
 def _check_env(env_id: str) -> None:

@@ -19,6 +19,10 @@ def _finite(x: Any) -> bool:
 
 
 def episode_is_finite(episode) -> bool:
+    """Every agent's rewards and observations finite (a multi-agent episode: each agent's own)."""
+    agents = getattr(episode, "agent_episodes", None)
+    if agents is not None:
+        return all(episode_is_finite(sa) for sa in agents.values())
     return _finite(episode.get_rewards()) and _finite(episode.get_observations())
 
 

@@ -111,8 +111,8 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     _need(n % ep == 0, "moe.ep_size", f"a divisor of moe.num_experts={n}", ep)
     _need(ep == 1 or num_learners is None or (num_learners >= ep and num_learners % ep == 0), "moe.ep_size",
           f"a divisor of learners.num_learners={num_learners}", ep)
-    _need(s["routing_replay"] == "auto" or isinstance(s["routing_replay"], bool), "moe.routing_replay", "auto, true or false",
-          s["routing_replay"])
+    _need(s["routing_replay"] == "auto" or isinstance(s["routing_replay"], bool), "moe.routing_replay",
+          "auto, true or false", s["routing_replay"])
     vf = s["vf_hiddens"]
     _need(isinstance(vf, (list, tuple)) and all(_is_int(h) and h >= 1 for h in vf), "moe.vf_hiddens",
           "a list of ints >= 1", vf)
@@ -139,7 +139,8 @@ def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int)
             with open(cfg) as f:
                 cfg = json.load(f)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"deepspeed.config: must be a dict or a readable JSON file, got {d['config']!r} ({e})") from None
+            raise ConfigError(f"deepspeed.config: must be a dict or a readable JSON file, "
+                              f"got {d['config']!r} ({e})") from None
     _need(isinstance(cfg, dict), "deepspeed.config", "a dict or a JSON file path", cfg)
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
     _need(stage in (0, 1, 2), "deepspeed.config.zero_optimization.stage", "0, 1 or 2 (dense part only)", stage)

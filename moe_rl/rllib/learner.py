@@ -142,7 +142,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
                                                 fwd_out=fwd_out)
         if not records:
             return total
-        s = config.moe_settings
+        s = self.plain_module(module_id).moe_settings   # a module's own (multi-agent overrides)
         extra, aux, z = moe_aux_losses(records, s["aux_loss_coef"], s["z_loss_coef"])
         # window=1 like RLlib's own PPO loss stats: the values of the last minibatch. The health
         # metrics (dozens of keys) are computed once per update from the last minibatch's routing.
@@ -229,16 +229,17 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         return self.shard(inference_only=False, everything=True).get(module_id, {}).get(name)
 
     # --- the trainer's view of rollout data -------------------------------------------------------
-    def trainer_view(self, data: Mapping[str, Mapping[str, Any]], replay: bool = False) -> Dict[str, Dict]:
+    def trainer_view(self, data: Mapping[str, Mapping[str, Any]], replay: Optional[bool] = None) -> Dict[str, Dict]:
         """data: {module_id: {"obs", optional "actions", optional "topk"}} (numpy, batch-major).
         forward_train, the real training path, with no gradient -> per module: action-dist inputs
         (`logits`), top-k per MoE layer (`topk`), the greedy top-k margin per layer (`margin`) and,
-        given actions, their log-probs (`logp`)."""
+        given actions, their log-probs (`logp`). replay None: as each module trains (its own
+        routing_replay); False: the router's own choice (the probe set)."""
         out = {}
         for mid, d in data.items():
             module = self.plain_module(mid)
             batch = {Columns.OBS: tree.map_structure(torch.as_tensor, d["obs"])}
-            if replay and d.get("topk") is not None:
+            if (module.replay_routing if replay is None else replay) and d.get("topk") is not None:
                 batch[MOE_TOPK] = torch.as_tensor(d["topk"])
             routers = [m for m in module.modules() if isinstance(m, Router)]
             with torch.no_grad():

@@ -132,7 +132,7 @@ class MoELearnerGroup(LearnerGroupOps, LearnerGroup):
         first = self._worker_manager.actor_ids()[:1]
         return [r.get() for r in self.foreach_learner(fn, remote_actor_ids=first, **kwargs)]
 
-    def trainer_view(self, data, replay: bool = False):
+    def trainer_view(self, data, replay: Optional[bool] = None):
         return self.publishers(lambda l: l.trainer_view(data, replay))[0]
 
     def snapshot(self):

@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 import ray
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
+from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
@@ -24,23 +25,31 @@ def runner_modules(runner) -> Dict[str, Any]:
     return {DEFAULT_MODULE_ID: module}
 
 
+def synced_state(module) -> Dict[str, Any]:
+    """The part of a rollout copy's state the weight sync provides: everything but the module's
+    non-inference attributes (RLlib's default PPO module keeps its value function on the rollout
+    side; the learners publish the inference-only state)."""
+    skip = tuple(module.get_non_inference_attributes()) if isinstance(module, InferenceOnlyAPI) else ()
+    return {k: v for k, v in module.state_dict().items() if not (skip and k.split(".")[0] in skip)}
+
+
 def load_shards_into_runner(runner, shard_refs: List[ray.ObjectRef], version: int, force: bool = False) -> None:
     """Assemble the learners' published parts per module and load them, strictly (a missing,
     unknown or duplicated tensor is an error, never a silent partial load). The copy takes the
     version number of the sync; `force` reloads the version it already has (a repair: RLlib skips
     a state whose version is not newer than the runner's)."""
     modules = runner_modules(runner)
-    full = assemble_modules(ray.get(list(shard_refs)), {mid: m.state_dict().keys() for mid, m in modules.items()})
+    full = assemble_modules(ray.get(list(shard_refs)), {mid: synced_state(m).keys() for mid, m in modules.items()})
     state = full if isinstance(runner.module, MultiRLModule) else full[DEFAULT_MODULE_ID]
     runner.set_state({COMPONENT_RL_MODULE: state} if force else {COMPONENT_RL_MODULE: state, WEIGHTS_SEQ_NO: version})
 
 
 def runner_digests(runner) -> Dict[str, Dict]:
-    return {mid: state_digests(m.state_dict()) for mid, m in runner_modules(runner).items()}
+    return {mid: state_digests(synced_state(m)) for mid, m in runner_modules(runner).items()}
 
 
 def runner_dtypes(runner) -> Dict[str, Dict[str, str]]:
-    return {mid: state_dtypes(m.state_dict()) for mid, m in runner_modules(runner).items()}
+    return {mid: state_dtypes(synced_state(m)) for mid, m in runner_modules(runner).items()}
 
 
 def runner_tensor(runner, module_id: str, name: str):
