@@ -28,6 +28,7 @@ from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
 from moe_rl.core.stability import StabilityToolkit, validate_stability
 from moe_rl.rllib.learner import MoEPPOTorchLearner
+from moe_rl.rllib.rl_module import MoEPolicyModule
 
 
 def deepspeed_config(user: Dict[str, Any], minibatch_size: int, world_size: int) -> Dict[str, Any]:
@@ -49,7 +50,9 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
         self.ep_size = s["ep_size"]
         # DeepSpeed's expert-parallel groups are consecutive ranks: [0..ep-1], [ep..2ep-1], ...
         self.ep_rank = dist.get_rank() % self.ep_size
-        self.num_local = s["num_experts"] // self.ep_size
+        # Experts per rank, per module (a multi-agent module may have its own number of experts).
+        self.num_local = {mid: m.moe_settings["num_experts"] // self.ep_size for mid, m in module.items()
+                          if isinstance(m, MoEPolicyModule)}
         for mid in module.keys():
             shard_moe_layers(module[mid], self.ep_size, self.ep_rank,
                              capacity_factor=s["trainer_capacity_factor"],
@@ -134,7 +137,8 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
             for name, tensor in self.local_state(mid, inference_only).items():
                 expert = is_expert_param(name)
                 if everything or (rank < self.ep_size if expert else rank == 0):
-                    part[to_global_name(name, self.ep_rank, self.num_local)] = tensor.detach().cpu().numpy()
+                    part[to_global_name(name, self.ep_rank, self.num_local.get(mid, 1))] = \
+                        tensor.detach().cpu().numpy()
             out[mid] = part
         return out
 
@@ -146,7 +150,7 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
             own = self.local_state(mid, inference_only)
             mapped = {}
             for name, value in full.get(mid, {}).items():
-                local = to_local_name(name, self.ep_rank, self.num_local)
+                local = to_local_name(name, self.ep_rank, self.num_local.get(mid, 1))
                 if local is not None:
                     mapped[local] = value
             missing, unexpected = sorted(set(own) - set(mapped)), sorted(set(mapped) - set(own))

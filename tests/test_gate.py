@@ -23,7 +23,7 @@ def gate(**kw):
 
 @pytest.mark.pure
 def test_relative_limit_waits_for_history_and_keeps_a_floor():
-    lim = RelativeLimit(z=8, warmup=3, window=10, floor=0.02)  # probe_flip_rate's floor
+    lim = RelativeLimit(z=8, warmup=3, window=10, floor=0.02)
     for v in (0.0, 0.0):
         lim.accept(v)
     assert lim.limit() is None

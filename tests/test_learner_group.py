@@ -16,7 +16,7 @@ def learner_step(learner, data):
     obs, actions = data[dist.get_rank()]
     module = learner.module["default_policy"]
     grads = learner.compute_gradients({"default_policy": shard_loss(module, obs, actions)})
-    named = {to_global_name(n, learner.ep_rank, learner.num_local): p.grad.clone()
+    named = {to_global_name(n, learner.ep_rank, learner.num_local["default_policy"]): p.grad.clone()
              for n, p in module.named_parameters() if p.grad is not None}
     learner.apply_gradients(grads)
     return named, learner.shard(inference_only=False, everything=True)["default_policy"]
