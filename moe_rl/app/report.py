@@ -70,14 +70,35 @@ def render_report(run_dir: str) -> str:
             f'<p class="sub">{esc(os.path.abspath(run_dir))} · generated {esc(time.strftime("%Y-%m-%d %H:%M:%S"))}</p>',
             _header(cfg, m), *(f'<p class="note">{esc(s)}</p>' for s in notes),
             _section("1. Return and losses", _returns_losses(m)),
-            _section("2. Expert utilisation and health", _utilisation(m, n)),
-            _section("3. Router-logit distributions per expert", _logits(m)),
-            _section("4. Router entropy and active experts", _entropy(m, n)),
-            _section("5. Training-inference drift", _drift(m, ledger, study, limits)),
+            *_per_module(cfg, m, ledger, study, limits, n),
             _section("6. Parameter divergence and sync decisions", _sync(m, ledger)),
             _section("7. Alerts", _alerts(alerts))]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>moe-rl report: {esc(name)}'
             f'</title><style>{CSS}</style></head><body>\n' + "\n".join(body) + "\n</body></html>\n")
+
+
+def _per_module(cfg, m, ledger, study, limits, n) -> list:
+    """Sections 2-5 once for a single-module run; for a multi-agent run once per MoE module (its
+    `<module>/` columns and its ledger rows)."""
+    modules = sorted({k[:-len("/moe/cv")] for r in m or [] for k in r if k.endswith("/moe/cv") and k != "moe/cv"})
+    if not modules:
+        return [_section("2. Expert utilisation and health", _utilisation(m, n)),
+                _section("3. Router-logit distributions per expert", _logits(m)),
+                _section("4. Router entropy and active experts", _entropy(m, n)),
+                _section("5. Training-inference drift", _drift(m, ledger, study, limits))]
+    out = []
+    for mid in modules:
+        prefix = mid + "/"
+        rows = [{"iteration": r["iteration"], **{k[len(prefix):]: v for k, v in r.items() if k.startswith(prefix)}}
+                for r in m]
+        own = [r for r in ledger or [] if r.get("module_id") == mid]
+        experts = (((cfg.get("multi_agent") or {}).get("policies") or {}).get(mid) or {}).get("moe", {}).get(
+            "num_experts") or n
+        out += [_section(f"2. Module {mid}: expert utilisation and health", _utilisation(rows, experts)),
+                _section(f"3. Module {mid}: router-logit distributions per expert", _logits(rows)),
+                _section(f"4. Module {mid}: router entropy and active experts", _entropy(rows, experts)),
+                _section(f"5. Module {mid}: training-inference drift", _drift([], own, study, limits))]
+    return out
 
 
 # --- reading ---------------------------------------------------------------------------------------
