@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_gate.py healthy [--configs cartpole,multitask,tokens,cartpole_ep2]
         [--seeds 0,1,2,3,4] [--iterations 25] [--json OUT]
     .venv/bin/python bench/bench_gate.py faults [--policies warn,hold,rollback] [--iterations 20]
-        [--inject-at 8] [--json OUT]
+        [--inject-at 8] [--faults a,b,c,d,e] [--json OUT]
 
 healthy: each config and seed trains under policy `warn`, which records every check's decision
 without changing the run; a check that would hold or roll back under the other policies is a
@@ -96,6 +96,8 @@ def healthy(args):
 def fault_matrix(args):
     out, baselines = [], {}
     for fault, (name, what) in FAULTS.items():
+        if args.faults and not fault.startswith(tuple(args.faults.split(","))):
+            continue
         if name not in baselines:
             algo = build(name, 0, "warn")
             try:
@@ -133,6 +135,7 @@ def main():
     ap.add_argument("--policies", default="warn,hold,rollback")
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--inject-at", type=int, default=8)
+    ap.add_argument("--faults", default="", help="comma-separated prefixes (a,b,...): only these faults")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.iterations = args.iterations or (25 if args.mode == "healthy" else 20)

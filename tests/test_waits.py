@@ -71,7 +71,7 @@ def test_a_run_that_waits_says_so_and_gives_up_cleanly(tmp_path):
             p, took = moe_rl_cli({**env, "RAY_ADDRESS": "auto"}, "train", "--num-learners", "2", "--ep-size", "2",
                                  "--output", str(out), "--set", "cluster.wait_timeout_s=8", *TINY)
             assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
-            assert "moe-rl: waiting" in p.stdout and "no autoscaler" in p.stdout
+            assert "moe-rl: waiting" in p.stdout and "no autoscaler" in p.stdout and "giving up in" in p.stdout
             error = p.stderr.strip().splitlines()[-1]
             assert error.startswith("moe-rl: error: gave up after 8s waiting for") and "CPU" in error
             assert (out / "INCOMPLETE").is_file() and took < 120

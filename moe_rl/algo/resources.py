@@ -143,22 +143,29 @@ class WaitWatch:
         self.demand, self.timeout_s, self.every_s, self.printer = demand, timeout_s, every_s, printer
         self._done = threading.Event()
         self._expired = False
+        self._interrupts = 0
         self.t0 = 0.0
 
     def _watch(self) -> None:
         while not self._done.wait(self.every_s if self.timeout_s is None else min(
                 self.every_s, max(0.0, self.timeout_s - (time.monotonic() - self.t0)))):
             waited = time.monotonic() - self.t0
-            total, free, scaler = cluster_view()
-            missing = shortfall(self.demand.total(), free)
-            self.printer(f"moe-rl: waiting {waited:.0f}s for actors to be placed: missing {fmt_bundle(missing)} "
-                         f"(cluster: {fmt_bundle(free)} free of {fmt_bundle(total)}); "
-                         + ("an autoscaler is attached: waiting is right" if scaler else "no autoscaler")
-                         + ("" if self.timeout_s is None else f"; giving up in {max(0, self.timeout_s - waited):.0f}s"),
-                         flush=True)
+            try:
+                total, free, scaler = cluster_view()
+                self.printer(f"moe-rl: waiting {waited:.0f}s for the run's actors to be placed (it needs "
+                             f"{fmt_bundle(self.demand.total())}; free now: {fmt_bundle(free)} of "
+                             f"{fmt_bundle(total)}); "
+                             + ("an autoscaler is attached: waiting is right" if scaler else "no autoscaler")
+                             + ("" if self.timeout_s is None else
+                                f"; giving up in {max(0, self.timeout_s - waited):.0f}s"), flush=True)
+            except Exception:   # a progress line is never worth the give-up
+                pass
             if self.timeout_s is not None and waited >= self.timeout_s:
                 self._expired = True
-                _thread.interrupt_main()
+                # The main thread sits in a blocking Ray call: interrupt it, again if one is lost.
+                while not self._done.wait(0 if not self._interrupts else 2.0) and self._interrupts < 30:
+                    self._interrupts += 1
+                    _thread.interrupt_main()
                 return
 
     def __enter__(self) -> "WaitWatch":
