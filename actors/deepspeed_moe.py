@@ -13,7 +13,6 @@ consistency checks can measure them one at a time):
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
@@ -96,6 +95,18 @@ class RoutedGate(nn.Module):
                 weights.t().float(), counts)
 
 
+class ExpertFFN(nn.Module):
+    """One expert as DeepSpeed's MoE layer wants it (a module it deep-copies per local expert), in
+    the canonical per-expert layout: fc2(act(fc1(x)))."""
+
+    def __init__(self, d_model: int, d_ff: int, act):
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model), act
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
 class DeepSpeedMoE(nn.Module):
     """Expert-parallel stand-in for a core MoELayer: same forward contract
     (x, replay_indices, task_ids) -> (y, RoutingRecord), experts sharded over ep_size ranks."""
@@ -105,7 +116,8 @@ class DeepSpeedMoE(nn.Module):
         super().__init__()
         self.d_model, self.num_experts = layer.d_model, layer.num_experts
         self.num_local = layer.num_experts // ep_size
-        template = copy.deepcopy(layer.experts.experts[0])
+        experts = layer.experts
+        template = ExpertFFN(layer.d_model, layer.d_ff, experts.act)
         self.ds = MoE(layer.d_model, template, num_experts=layer.num_experts, ep_size=ep_size, k=layer.top_k,
                       drop_tokens=capacity_factor is not None, use_rts=False, top2_2nd_expert_sampling=False)
         self.ds.deepspeed_moe.gate = RoutedGate(
@@ -113,8 +125,13 @@ class DeepSpeedMoE(nn.Module):
             second_expert_sampling=second_expert_sampling, random_token_selection=random_token_selection,
             expert_dropout=layer.expert_dropout)
         # This rank's experts start from the matching global experts of the layer it replaces.
-        for i, expert in enumerate(self.ds.deepspeed_moe.experts.deepspeed_experts):
-            expert.load_state_dict(layer.experts.experts[ep_rank * self.num_local + i].state_dict())
+        with torch.no_grad():
+            for i, expert in enumerate(self.ds.deepspeed_moe.experts.deepspeed_experts):
+                e = ep_rank * self.num_local + i
+                expert.fc1.weight.copy_(experts.w1[e].t())
+                expert.fc1.bias.copy_(experts.b1[e])
+                expert.fc2.weight.copy_(experts.w2[e].t())
+                expert.fc2.bias.copy_(experts.b2[e])
         self.shared_expert = layer.shared_expert
 
     @property

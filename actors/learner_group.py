@@ -27,7 +27,7 @@ from ray.rllib.utils.checkpoints import Checkpointable
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from moe_rl.core.sharding import assemble_modules
+from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
 from moe_rl.rllib.learner_group import LearnerGroupOps, learner_bundles
 
 from .learner import LearnerActor
@@ -116,14 +116,16 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
     # --- RLlib's state interface ------------------------------------------------------------------
     def get_state(self, components=None, *, not_components=None, inference_only: bool = False, **kwargs):
         """The full module states assembled from every learner's part (RLlib's LearnerGroup asks
-        learner 0 alone), shaped like LearnerGroup.get_state."""
-        modules = assemble_modules(ray.get(self.publish_weights(inference_only)))
+        learner 0 alone), shaped like LearnerGroup.get_state: experts stacked, as a core module
+        (the rollout copy) holds them."""
+        modules = {mid: stack_experts(state) for mid, state in
+                   assemble_modules(ray.get(self.publish_weights(inference_only))).items()}
         return {COMPONENT_LEARNER: {COMPONENT_RL_MODULE: modules}}
 
     def set_state(self, state: Dict[str, Any]) -> None:
         modules = state.get(COMPONENT_LEARNER, state).get(COMPONENT_RL_MODULE)
         if modules:
-            self.load_shards([ray.put(modules)])
+            self.load_shards([ray.put({mid: unstack_experts(s) for mid, s in modules.items()})])
 
     def get_ctor_args_and_kwargs(self):
         return (), {"config": self.config, "module_spec": None}

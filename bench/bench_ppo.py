@@ -18,6 +18,7 @@ from ray.rllib.algorithms.ppo import PPOConfig  # noqa: E402
 from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig  # noqa: E402
 
 from moe_rl import MoEPPOConfig  # noqa: E402
+from moe_rl.core.sharding import is_expert_param  # noqa: E402
 
 LAYOUTS = [(1, 1), (1, 8), (2, 4)]
 TRAINING = dict(lr=3e-4, gamma=0.99, lambda_=0.95, train_batch_size_per_learner=4000, minibatch_size=256,
@@ -29,7 +30,7 @@ DENSE_HIDDEN = 184  # 2 x 184 tanh MLP ~ the MoE policy's active parameters (pri
 def policy_params(algo):
     module = algo.learner_group._learner.module["default_policy"]
     total = sum(p.numel() for n, p in module.named_parameters() if not n.startswith(("vf", "encoder.critic")))
-    experts = sum(p.numel() for n, p in module.named_parameters() if ".experts.experts." in n)
+    experts = sum(p.numel() for n, p in module.named_parameters() if is_expert_param(n))
     return total - experts + experts * MOE["top_k"] // MOE["num_experts"] if experts else total
 
 

@@ -186,9 +186,9 @@ def test_wrong_expert_mapping_on_a_rollout_actor_is_named_and_repaired(ray_local
 
         def swap(runner):
             sd = runner.module.state_dict()
-            for s in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"):
-                a, b = f"trunk.blocks.0.moe.experts.experts.0.{s}", f"trunk.blocks.0.moe.experts.experts.3.{s}"
-                sd[a], sd[b] = sd[b].clone(), sd[a].clone()
+            for s in ("w1", "b1", "w2", "b2"):
+                t = sd[f"trunk.blocks.0.moe.experts.{s}"]
+                t[[0, 3]] = t[[3, 0]].clone()
             runner.module.load_state_dict(sd)
         algo.env_runner_group.foreach_env_runner(swap, local_env_runner=False)
         algo.train()

@@ -7,7 +7,7 @@ from helpers import ENV, adam_moments, batch, ds_config, shard_loss
 from ray.rllib.core.columns import Columns
 
 from moe_rl.core.settings import ConfigError
-from moe_rl.core.sharding import ShardError, assemble_shards, to_global_name
+from moe_rl.core.sharding import ShardError, assemble_shards, stack_experts, to_global_name, unstack_experts
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 
 
@@ -30,9 +30,11 @@ def group(ray_local):
 
 
 def reference_module(config, state):
+    """A single-process module holding `state` (canonical per-expert form, as published)."""
     ref = MoEPolicyModule(observation_space=ENV.observation_space, action_space=ENV.action_space,
                           model_config=config.model_config)
-    ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
+    ref.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in stack_experts(
+        state, ref.state_dict().keys()).items()}, strict=True)
     return ref
 
 
@@ -54,7 +56,7 @@ def _compare_with_reference(config, group, sizes):
     # DeepSpeed's scaling: the gradient of the mean of the learners' (per-shard mean) losses.
     loss = sum(shard_loss(ref, *data[r]) for r in data) / len(data)
     loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_grads = unstack_experts({n: p.grad for n, p in ref.named_parameters()})
     grads = {}
     for named, _ in results:
         for n, g in named.items():
@@ -69,8 +71,8 @@ def _compare_with_reference(config, group, sizes):
     opt.step()
     after = assemble_shards([{k: v for k, v in shard.items() if "experts.experts" in k or r == 0}
                              for r, (_, shard) in enumerate(results)], before.keys())
-    for n, p in ref.named_parameters():
-        err = np.abs(after[n] - p.detach().numpy()).max() / max(np.abs(p.detach().numpy()).max(), 1e-12)
+    for n, p in unstack_experts({n: p.detach() for n, p in ref.named_parameters()}).items():
+        err = np.abs(after[n] - p.numpy()).max() / max(np.abs(p.numpy()).max(), 1e-12)
         assert err <= 1e-5, (n, err)
 
 

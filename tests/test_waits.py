@@ -8,8 +8,8 @@ import sys
 import time
 
 import pytest
-
 from helpers import free_port, local_head
+
 from moe_rl import MoEPPO, MoEPPOConfig
 from moe_rl.rllib.learner_group import learner_bundles
 

@@ -30,7 +30,7 @@ def inject(algo, fault) -> None:
 
 
 def _first_expert_weight(state) -> str:
-    return next(k for k in state if ".experts." in k and k.endswith("weight"))
+    return next(k for k in state if k.endswith(".experts.w1"))
 
 
 def _router_weight(state) -> str:
@@ -39,7 +39,8 @@ def _router_weight(state) -> str:
 
 @dataclass
 class CorruptRolloutCopy:
-    """Add `delta` to one tensor (default: the first expert weight) of rollout actor `runner`."""
+    """Add `delta` to one tensor of rollout actor `runner` (default: expert 0's first weight matrix,
+    i.e. `...experts.experts.0.fc1.weight` in the canonical per-expert form)."""
     runner: Optional[int] = None
     module_id: str = "default_policy"
     name: Optional[str] = None
@@ -51,7 +52,8 @@ class CorruptRolloutCopy:
             module = runner_modules(r)[self.module_id]
             state = module.state_dict()
             with torch.no_grad():
-                state[self.name or _first_expert_weight(state)].add_(self.delta)
+                target = state[self.name or _first_expert_weight(state)]
+                (target if self.name else target[0]).add_(self.delta)
         ids = None if self.runner is None else [self.runner]
         algo.runner_call(corrupt, runner_ids=ids if algo.env_runner_group.num_remote_env_runners() else None)
 

@@ -43,7 +43,7 @@ from moe_rl import __version__
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.app.run_config import BUILDER_SECTIONS
 from moe_rl.core.errors import ConfigError
-from moe_rl.core.sharding import assemble_modules, assemble_shards
+from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
 MANIFEST = "manifest.json"
@@ -295,7 +295,9 @@ def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
     full = assemble_modules([torch.load(f, weights_only=True) for f in shard_files])
     if module_id not in full:
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no module {module_id!r}")
-    module.load_state_dict(assemble_shards([full[module_id]], module.state_dict().keys()), strict=True)
+    own = module.state_dict()
+    module.load_state_dict(stack_experts(assemble_shards([full[module_id]], unstack_experts(own).keys()), own.keys()),
+                           strict=True)
     return module
 
 
@@ -336,7 +338,9 @@ def verify_weights(algo, path: str, run_config: Dict[str, Any], probe_size: int 
         obs = probe_batch(obs_space, probe_size)
         loaded = load_policy(path, run_config, obs_space, act_space, mid)
         ckpt = _forward_outputs(loaded, obs)
-        loaded.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in state.items()}, strict=True)
+        own = loaded.state_dict().keys()
+        loaded.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in stack_experts(state, own).items()},
+                               strict=True)
         live = _forward_outputs(loaded, obs)
         if set(ckpt) != set(live) or any(ckpt[k].shape != live[k].shape for k in live):
             return False, float("inf")

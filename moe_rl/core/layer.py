@@ -21,11 +21,11 @@ from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS, Experts
 from moe_rl.core.routers import build_router
 from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, queue_positions
 
-# "auto" dispatch (bench/bench_moe_layer.py): without autograd (rollouts), gather the chosen experts'
-# weights from a cached stack and run one bmm pair while the gathered weights stay small; with
-# autograd, a per-assignment loop for a handful of assignments, else sort-by-expert.
-TINY_BATCH_ASSIGNMENTS = 4
-BATCHED_MAX_ELEMENTS = 1 << 16   # T*k*d*F: gathered-weight elements the batched path may copy
+# "auto" dispatch (bench/bench_moe_layer.py measures the crossovers): without autograd and few
+# assignments (rollouts), gather the chosen experts' weights; else every expert on every token
+# while that stays cheap; else group the tokens by expert.
+GATHERED_MAX_ELEMENTS = 1 << 16   # T*k*d*F: gathered-weight elements the gathered path may copy
+DENSE_MAX_MACS = 1 << 23          # T*N*d*F: multiply-adds of one dense pass
 
 
 class MoELayer(nn.Module):
@@ -40,7 +40,7 @@ class MoELayer(nn.Module):
         capacity_factor: None = dropless; else > 0 and each expert takes at most
             ceil(cf * T * k / N) assignments (later tokens over the limit are dropped). The limit
             depends on the batch, so a rollout's drops are recorded and replayed in training.
-        dispatch: auto|sorted|batched|gather|dense (moe_rl.core.experts).
+        dispatch: auto|dense|gathered|grouped (moe_rl.core.experts).
     forward(x [..., d], replay_indices [T, k] | None, task_ids [...] | None, explore) -> (y [..., d], RoutingRecord)
         replay_indices: a recorded top-k (RoutingRecord.encoded_top_k: dropped assignments negative)
         to dispatch instead of the router's own choice; explore: let a sampling router sample.
@@ -76,12 +76,13 @@ class MoELayer(nn.Module):
         self.shared_expert = (nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
                               if shared_expert else None)
 
-    def dispatch_path(self, num_assignments: int) -> str:
+    def dispatch_path(self, num_tokens: int) -> str:
         if self.dispatch != "auto":
             return self.dispatch
-        if not torch.is_grad_enabled() and num_assignments * self.d_model * self.d_ff <= BATCHED_MAX_ELEMENTS:
-            return "batched"
-        return "gather" if num_assignments <= TINY_BATCH_ASSIGNMENTS else "sorted"
+        d_f = self.d_model * self.d_ff
+        if not torch.is_grad_enabled() and num_tokens * self.top_k * d_f <= GATHERED_MAX_ELEMENTS:
+            return "gathered"
+        return "dense" if num_tokens * self.num_experts * d_f <= DENSE_MAX_MACS else "grouped"
 
     def forward(self, x: torch.Tensor, replay_indices: Optional[torch.Tensor] = None,
                 task_ids: Optional[torch.Tensor] = None, explore: bool = False):
@@ -103,7 +104,7 @@ class MoELayer(nn.Module):
         if flat.shape[0] == 0:
             y = torch.zeros_like(flat)
         else:
-            path = self.dispatch_path(rec.top_k_indices.numel())
+            path = self.dispatch_path(flat.shape[0])
             y = getattr(self.experts, f"{path}_dispatch")(flat, rec.top_k_indices, weights)
         if self.shared_expert is not None:
             y = y + self.shared_expert(flat)

@@ -14,13 +14,79 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterable, Mapping, Optional
 
+import numpy as np
+import torch
+
 _EXPERT = re.compile(r"^(.*)\.moe\.ds\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.*)$")
+_STACKED = re.compile(r"^(.*\.moe\.experts)\.(w1|b1|w2|b2)$")
 _ROUTER = re.compile(r"^(.*)\.moe\.ds\.deepspeed_moe\.gate\.router\.(.*)$")
 _GLOBAL_EXPERT = re.compile(r"^(.*)\.moe\.experts\.experts\.(\d+)\.(.*)$")
 
 
 def is_expert_param(name: str) -> bool:
-    return bool(_EXPERT.match(name) or _GLOBAL_EXPERT.match(name))
+    return bool(_EXPERT.match(name) or _GLOBAL_EXPERT.match(name) or _STACKED.match(name))
+
+
+# --- the stacked experts of a core MoE layer <-> their canonical per-expert form ---------------------
+# experts.w1 [N, d, F] <-> experts.experts.{e}.fc1.weight [F, d] (nn.Linear's layout, as DeepSpeed's
+# per-expert modules hold it), b1 [N, F] <-> fc1.bias, w2 [N, F, d] <-> fc2.weight [d, F], b2 <-> fc2.bias.
+_CANONICAL = {"w1": ("fc1.weight", True), "b1": ("fc1.bias", False), "w2": ("fc2.weight", True),
+              "b2": ("fc2.bias", False)}
+_FROM_CANONICAL = {v[0]: (k, v[1]) for k, v in _CANONICAL.items()}
+
+
+def unstack_experts(state: Mapping) -> Dict:
+    """Stacked expert tensors -> their canonical per-expert entries (torch or numpy, copies made
+    contiguous); every other entry as is."""
+    out: Dict = {}
+    for name, value in state.items():
+        m = _STACKED.match(name)
+        if not m:
+            out[name] = value
+            continue
+        suffix, transpose = _CANONICAL[m.group(2)]
+        for e in range(value.shape[0]):
+            piece = value[e]
+            if isinstance(piece, torch.Tensor):
+                piece = (piece.transpose(0, 1) if transpose else piece).contiguous()
+            else:
+                piece = np.ascontiguousarray(piece.T if transpose else piece)
+            out[f"{m.group(1)}.experts.{e}.{suffix}"] = piece
+    return out
+
+
+def stack_experts(state: Mapping, stacked_names: Optional[Iterable[str]] = None) -> Dict:
+    """Canonical per-expert entries -> the stacked tensors named in `stacked_names` (those a core
+    module holds; None: every layer the entries name); every other entry as is. Strict: each
+    stacked tensor needs all its experts."""
+    if stacked_names is None:
+        stacked_names = {f"{m.group(1)}.moe.experts.{_FROM_CANONICAL[m.group(3)][0]}"
+                         for m in map(_GLOBAL_EXPERT.match, state) if m and m.group(3) in _FROM_CANONICAL}
+    wanted = {n for n in stacked_names if _STACKED.match(n)}
+    if not wanted:
+        return dict(state)
+    pieces: Dict[str, Dict[int, object]] = {}
+    out: Dict = {}
+    for name, value in state.items():
+        m = _GLOBAL_EXPERT.match(name)
+        key = None
+        if m and m.group(3) in _FROM_CANONICAL:
+            key = f"{m.group(1)}.moe.experts.{_FROM_CANONICAL[m.group(3)][0]}"
+        if key in wanted:
+            pieces.setdefault(key, {})[int(m.group(2))] = value
+        else:
+            out[name] = value
+    for key in sorted(wanted):
+        got = pieces.get(key, {})
+        if not got or sorted(got) != list(range(len(got))):
+            raise ShardError(f"{key}: experts {sorted(got)} do not make a complete stack")
+        transpose = _CANONICAL[key.rsplit(".", 1)[1]][1]
+        parts = [got[e] for e in range(len(got))]
+        if isinstance(parts[0], torch.Tensor):
+            out[key] = torch.stack([p.transpose(0, 1) if transpose else p for p in parts])
+        else:
+            out[key] = np.stack([np.asarray(p).T if transpose else np.asarray(p) for p in parts])
+    return out
 
 
 def to_global_name(name: str, ep_rank: int, num_local: int) -> str:

@@ -40,7 +40,7 @@ STABILITY_DEFAULTS: Dict[str, Any] = {
     "grad_clip_factors": dict(DEFAULT_CLIP_FACTORS),
     "skip_nonfinite": True,        # a non-finite gradient on any learner skips the step on all
     "winsorize_p": None,           # clamp each gradient to its (1-p) quantile of |g| (None: off)
-    "projection_rank": None,       # project 2-D gradients onto their top-r right singular vectors
+    "projection_rank": None,       # project 2-D gradients (each expert matrix) on their top-r right singular vectors
     "projection_groups": ["experts"],
     "projection_refresh": 0,       # re-derive the basis every N applied steps (0: keep the first)
     "router_warmup_steps": 0,      # the first N applied steps update only router parameters
@@ -223,14 +223,15 @@ def winsorize_(grad: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def orthonormal_basis(grad: torch.Tensor, rank: int) -> torch.Tensor:
-    """[r, in] rows: the top-r right singular vectors of a 2-D gradient (orthonormal by SVD)."""
+    """[..., r, in] rows: the top-r right singular vectors of a 2-D gradient, or of each matrix of
+    a stacked one ([N, out, in]: one basis per expert), orthonormal by SVD."""
     _, _, vh = torch.linalg.svd(grad.detach().float(), full_matrices=False)
-    return vh[:rank].contiguous()
+    return vh[..., :rank, :].contiguous()
 
 
 def project_(grad: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """g <- g P^T P: an orthogonal projection because P's rows are orthonormal."""
-    grad.copy_((grad.float() @ basis.T @ basis).to(grad.dtype))
+    """g <- g P^T P (per matrix): an orthogonal projection because P's rows are orthonormal."""
+    grad.copy_((grad.float() @ basis.transpose(-1, -2) @ basis).to(grad.dtype))
     return grad
 
 
@@ -396,7 +397,7 @@ class StabilityToolkit:
         r, refresh = self.s["projection_rank"], self.s["projection_refresh"]
         renew = refresh > 0 and self.step_count % refresh == 0
         for n, g in grads:
-            if self.group_of[n] not in self.s["projection_groups"] or g.dim() != 2 or g.shape[1] <= r:
+            if self.group_of[n] not in self.s["projection_groups"] or g.dim() not in (2, 3) or g.shape[-1] <= r:
                 continue
             if n not in self._bases or renew:
                 self._bases[n] = orthonormal_basis(g, r)

@@ -24,7 +24,7 @@ from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss
 from moe_rl.core.metrics import health_summary
 from moe_rl.core.param_groups import param_group
 from moe_rl.core.routers import Router, balance_step
-from moe_rl.core.sharding import assemble_modules
+from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
 from moe_rl.core.stability import StabilityToolkit, expert_dropout_at, set_expert_dropout, validate_stability
 from moe_rl.rllib.correction import RolloutCorrection, routing_flags
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
@@ -183,9 +183,11 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         return {k: v for k, v in m.state_dict().items() if not (skip and k.split(".")[0] in skip)}
 
     def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, np.ndarray]]:
-        """{module_id: {global name: array}}: this learner's part of the published weights. A
-        single learner (or one data-parallel replica of many) publishes everything."""
-        return {mid: {k: v.detach().cpu().numpy() for k, v in self.local_state(mid, inference_only).items()}
+        """{module_id: {global name: array}}: this learner's part of the published weights, stacked
+        experts in their canonical per-expert form (moe_rl.core.sharding). A single learner (or one
+        data-parallel replica of many) publishes everything."""
+        return {mid: {k: v.detach().cpu().numpy()
+                      for k, v in unstack_experts(self.local_state(mid, inference_only)).items()}
                 for mid in self.module.keys()}
 
     def shard_digests(self, dtypes: Optional[Mapping[str, Mapping[str, str]]] = None, everything: bool = False,
@@ -217,13 +219,12 @@ class MoEPPOTorchLearner(PPOTorchLearner):
     def load_shards(self, shards: List[Mapping[str, Mapping[str, Any]]], inference_only: bool = True) -> None:
         """Load published shards (every learner's, module-keyed, global names), strictly: the
         assembled keys must be exactly this module's published keys."""
-        expected = {mid: self.local_state(mid, inference_only).keys() for mid in self.module.keys()}
-        full = assemble_modules(shards, expected)
+        local = {mid: self.local_state(mid, inference_only) for mid in self.module.keys()}
+        full = assemble_modules(shards, {mid: unstack_experts(state).keys() for mid, state in local.items()})
         for mid, state in full.items():
-            own = self.plain_module(mid).state_dict()
             with torch.no_grad():
-                for k, v in state.items():
-                    own[k].copy_(torch.as_tensor(np.asarray(v)))
+                for k, v in stack_experts(state, local[mid].keys()).items():
+                    local[mid][k].copy_(torch.as_tensor(np.asarray(v)))
 
     def tensor(self, module_id: str, name: str) -> Optional[np.ndarray]:
         return self.shard(inference_only=False, everything=True).get(module_id, {}).get(name)

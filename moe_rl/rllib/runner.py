@@ -14,7 +14,7 @@ from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from moe_rl.core.digests import state_digests, state_dtypes
-from moe_rl.core.sharding import assemble_modules
+from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
 
 
 def runner_modules(runner) -> Dict[str, Any]:
@@ -25,12 +25,14 @@ def runner_modules(runner) -> Dict[str, Any]:
     return {DEFAULT_MODULE_ID: module}
 
 
-def synced_state(module) -> Dict[str, Any]:
+def synced_state(module, canonical: bool = True) -> Dict[str, Any]:
     """The part of a rollout copy's state the weight sync provides: everything but the module's
     non-inference attributes (RLlib's default PPO module keeps its value function on the rollout
-    side; the learners publish the inference-only state)."""
+    side; the learners publish the inference-only state). canonical: stacked experts as their
+    per-expert entries, the form the learners publish and digest."""
     skip = tuple(module.get_non_inference_attributes()) if isinstance(module, InferenceOnlyAPI) else ()
-    return {k: v for k, v in module.state_dict().items() if not (skip and k.split(".")[0] in skip)}
+    state = {k: v for k, v in module.state_dict().items() if not (skip and k.split(".")[0] in skip)}
+    return unstack_experts(state) if canonical else state
 
 
 def load_shards_into_runner(runner, shard_refs: List[ray.ObjectRef], version: int, force: bool = False) -> None:
@@ -40,6 +42,7 @@ def load_shards_into_runner(runner, shard_refs: List[ray.ObjectRef], version: in
     a state whose version is not newer than the runner's)."""
     modules = runner_modules(runner)
     full = assemble_modules(ray.get(list(shard_refs)), {mid: synced_state(m).keys() for mid, m in modules.items()})
+    full = {mid: stack_experts(s, synced_state(modules[mid], canonical=False).keys()) for mid, s in full.items()}
     state = full if isinstance(runner.module, MultiRLModule) else full[DEFAULT_MODULE_ID]
     runner.set_state({COMPONENT_RL_MODULE: state} if force else {COMPONENT_RL_MODULE: state, WEIGHTS_SEQ_NO: version})
 
@@ -53,5 +56,5 @@ def runner_dtypes(runner) -> Dict[str, Dict[str, str]]:
 
 
 def runner_tensor(runner, module_id: str, name: str):
-    t = runner_modules(runner)[module_id].state_dict().get(name)
+    t = synced_state(runner_modules(runner)[module_id]).get(name)
     return None if t is None else t.detach().float().cpu().numpy()
