@@ -15,6 +15,7 @@ owns the math, so it is tested without Ray, and both learners behave identically
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -199,6 +200,21 @@ def set_expert_dropout(module: torch.nn.Module, p: float) -> int:
             m.expert_dropout = float(p)
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def expert_dropout_off(module: torch.nn.Module):
+    """No expert dropout inside the block (a measurement of what the trainer computes must not
+    depend on the dropout draw), the rates restored after it."""
+    layers = [m for m in module.modules() if isinstance(getattr(m, "expert_dropout", None), float)]
+    saved = [m.expert_dropout for m in layers]
+    for m in layers:
+        m.expert_dropout = 0.0
+    try:
+        yield
+    finally:
+        for m, p in zip(layers, saved):
+            m.expert_dropout = p
 
 
 # --- gradient surgery -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
 from moe_rl.core.correction import correct, routing_disagreement, sequence_ids
+from moe_rl.core.stability import expert_dropout_off
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 
 IS_WEIGHT = "moe_rl_is_weight"
@@ -44,7 +45,7 @@ class RolloutCorrection(ConnectorV2):
             module = module.unwrapped() if hasattr(module, "unwrapped") else module
             if not isinstance(module, MoEPolicyModule):
                 continue                  # a plain policy passes through untouched
-            with torch.no_grad():         # the old policy: the learner before the update
+            with torch.no_grad(), expert_dropout_off(module):   # the old policy: the learner before the update
                 fwd = module.forward_train(b)
                 old_logp = module.get_train_action_dist_cls().from_logits(
                     fwd[Columns.ACTION_DIST_INPUTS]).logp(b[Columns.ACTIONS])

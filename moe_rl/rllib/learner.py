@@ -25,7 +25,13 @@ from moe_rl.core.metrics import health_summary
 from moe_rl.core.param_groups import param_group
 from moe_rl.core.routers import Router, balance_step
 from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
-from moe_rl.core.stability import StabilityToolkit, expert_dropout_at, set_expert_dropout, validate_stability
+from moe_rl.core.stability import (
+    StabilityToolkit,
+    expert_dropout_at,
+    expert_dropout_off,
+    set_expert_dropout,
+    validate_stability,
+)
 from moe_rl.rllib.correction import RolloutCorrection, routing_flags
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 
@@ -243,7 +249,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
             if (module.replay_routing if replay is None else replay) and d.get("topk") is not None:
                 batch[MOE_TOPK] = torch.as_tensor(d["topk"])
             routers = [m for m in module.modules() if isinstance(m, Router)]
-            with torch.no_grad():
+            with torch.no_grad(), expert_dropout_off(module):   # dropout is a training perturbation
                 fwd = module.forward_train(batch)
                 logits = fwd[Columns.ACTION_DIST_INPUTS]
                 records = fwd[MOE_ROUTING]
