@@ -8,8 +8,10 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import time
 from typing import Any, Dict
 
 from ray.rllib.algorithms.algorithm_config import NotProvided
@@ -169,23 +171,35 @@ class MoEPPO(PPO):
 
     # --- one iteration ----------------------------------------------------------------------------
     def training_step(self) -> None:
-        episodes = self._sample()
+        clock = PhaseClock()
+        with clock("sample_s"):
+            episodes = self._sample()
         if not episodes:
             return
+        steps = sum(len(ep) for ep in episodes)
         gate = self.sync_gate
         check = gate is not None and (self.iteration % gate.s["every"] == 0 or gate.holding)
         if check:
-            gate.before_update(episodes)
+            with clock("check_s"):
+                gate.before_update(episodes)
         self._inject_faults("before_update")
-        self._update(episodes)
+        with clock("learn_s"):
+            self._update(episodes)
         self.updates_since_sync += 1
         self._inject_faults("after_update")
-        if check:
-            verdict = gate.after_update()
-            self._log_check(verdict)
-            if verdict["decision"] in ("hold", "rollback"):   # rollouts stay on the last good weights
-                return
-        self._sync_rollout_weights()
+        try:
+            if check:
+                with clock("check_s"):
+                    verdict = gate.after_update()
+                self._log_check(verdict)
+                if verdict["decision"] in ("hold", "rollback"):   # rollouts stay on the last good weights
+                    return
+            with clock("sync_s"):
+                self._sync_rollout_weights()
+        finally:
+            clock.seconds["env_steps_per_s"] = steps / max(clock.total, 1e-9)
+            for k, v in clock.seconds.items():
+                self.metrics.log_value(("moe_rl", k), v, window=1)
 
     def _log_check(self, verdict) -> None:
         rows = self.sync_gate.rows
@@ -334,3 +348,21 @@ class MoEPPO(PPO):
 
 
 GATE_STATE = "moe_rl_gate"
+
+
+class PhaseClock:
+    """Seconds per phase of one iteration (sample_s, check_s, learn_s, sync_s): where the time goes."""
+
+    def __init__(self):
+        self.seconds = {"sample_s": 0.0, "check_s": 0.0, "learn_s": 0.0, "sync_s": 0.0}
+        self.total = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds[phase] += dt
+            self.total += dt

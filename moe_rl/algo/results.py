@@ -13,6 +13,7 @@ prefixed `moe_rl_`, Prometheus names):
     stability/lr/<group>, stability/skipped_steps, stability/router_warmup, stability/expert_dropout
     drift/<figure>, drift/decision, drift/cause, drift/action   the consistency check (drift.parquet
                                            has every figure)
+    sample_s, check_s, learn_s, sync_s, env_steps_per_s   where the iteration's time went
     alerts/new, alerts/total, memory/rss_mb/<actor>, learner/<stat>/rank{r}
     faults/<counter>, checkpoint/verified, checkpoint/verify_max_abs_diff
 """

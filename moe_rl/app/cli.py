@@ -196,7 +196,10 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
                 print(f"iter {row['iteration']:4d}  steps {row['env_steps_total']:8d}  "
                       f"return {row['episode_return_mean']:8.2f}  health {row.get('moe/health', '-'):8s}  "
                       f"cv {row.get('moe/cv', float('nan')):.2f}  "
-                      f"drift k3 {row.get('drift/k3', float('nan')):.2g}  {row['time_s']:.0f}s", flush=True)
+                      f"drift k3 {row.get('drift/k3', float('nan')):.2g}  "
+                      f"{row.get('env_steps_per_s', float('nan')):5.0f} steps/s (sample {row.get('sample_s', 0):.1f}s "
+                      f"learn {row.get('learn_s', 0):.1f}s check {row.get('check_s', 0):.1f}s "
+                      f"sync {row.get('sync_s', 0):.1f}s)  {row['time_s']:.0f}s", flush=True)
                 for a in result.get("moe_rl_alerts", []):
                     print(f"  alert: {a['kind']} {a['message']}", flush=True)
                 i = row["iteration"]
