@@ -128,7 +128,7 @@ class DeepSpeedMoE(nn.Module):
         with torch.no_grad():
             for i, expert in enumerate(self.ds.deepspeed_moe.experts.deepspeed_experts):
                 e = ep_rank * self.num_local + i
-                expert.fc1.weight.copy_(experts.w1[e].t())
+                expert.fc1.weight.copy_(experts.w1[e])
                 expert.fc1.bias.copy_(experts.b1[e])
                 expert.fc2.weight.copy_(experts.w2[e].t())
                 expert.fc2.bias.copy_(experts.b2[e])

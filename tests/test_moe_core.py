@@ -20,7 +20,7 @@ def naive_reference(layer: MoELayer, x: torch.Tensor, rec: RoutingRecord) -> tor
     for t in range(x.shape[0]):
         for j in range(rec.top_k_indices.shape[1]):
             e = int(rec.top_k_indices[t, j])
-            h = ex.act(x[t] @ ex.w1[e] + ex.b1[e]) @ ex.w2[e] + ex.b2[e]
+            h = ex.act(ex.w1[e] @ x[t] + ex.b1[e]) @ ex.w2[e] + ex.b2[e]
             out[t] += rec.gate_weights[t, j] * h
     return out
 

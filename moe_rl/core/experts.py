@@ -1,7 +1,9 @@
 """Experts and the ways tokens reach them (pure torch).
 
-The N experts of a layer are stacked: one parameter each for w1 [N, d, F], b1 [N, F], w2 [N, F, d]
-and b2 [N, d], so every dispatch path is a handful of batched kernels whatever N is. At the small
+The N experts of a layer are stacked: one parameter each for w1 [N, F, d] (each expert's first
+matrix in nn.Linear's layout), b1 [N, F], w2 [N, F, d] (its second, input-major) and b2 [N, d], so
+every dispatch path is a handful of batched kernels whatever N is, and the dense path is two
+matrix products over views: [T, d] x [d, N*F] and [T, N*F] x [N*F, d]. At the small
 token counts of RL (8 tokens per rollout call, 256-token minibatches) per-op overhead, not FLOPs,
 decides the speed (bench/bench_moe_layer.py).
 
@@ -12,7 +14,9 @@ Every path computes y[t] = sum_j w[t, j] * expert_{idx[t, j]}(x[t]):
     gathered  each assignment's expert weights gathered, two bmm over the T*k assignments: rollouts
               (no autograd, few tokens)
     grouped   assignments sorted by expert and padded to the busiest expert's count: two bmm over
-              [N, C, d]; large token batches
+              [N, C, d]
+    sorted    assignments sorted by expert, one matmul pair per expert that received tokens: large
+              token batches with large experts (no padding)
 
 Towards DeepSpeed's per-expert modules and the checkpoints, the stacked tensors have a canonical
 per-expert form (`experts.experts.{e}.fc1.weight` [F, d], ...; moe_rl.core.sharding).
@@ -28,7 +32,7 @@ from torch import nn
 from moe_rl.core.errors import need
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh}
-DISPATCH_PATHS = ("auto", "dense", "gathered", "grouped")
+DISPATCH_PATHS = ("auto", "dense", "gathered", "grouped", "sorted")
 
 
 class Experts(nn.Module):
@@ -38,7 +42,7 @@ class Experts(nn.Module):
         self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
         self.activation = activation
         self.act = ACTIVATIONS[activation]
-        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.b1 = nn.Parameter(torch.empty(num_experts, d_ff))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
         self.b2 = nn.Parameter(torch.empty(num_experts, d_model))
@@ -56,24 +60,41 @@ class Experts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on tokens x [T, d] (the definition every path computes)."""
-        return self.act(x @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e]
+        return self.act(F.linear(x, self.w1[e], self.b1[e])) @ self.w2[e] + self.b2[e]
 
     # --- dispatch paths ---------------------------------------------------------------------------
     def dense_dispatch(self, x, idx, w):
-        T = x.shape[0]
-        gates = torch.zeros(T, self.num_experts, dtype=x.dtype, device=x.device).scatter_add_(
-            1, idx, w.to(x.dtype))                                                     # [T, N]
-        h = self.act(torch.baddbmm(self.b1.unsqueeze(1), x.expand(self.num_experts, T, -1), self.w1))
-        y = torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)                            # [N, T, d]
-        return torch.einsum("ntd,tn->td", y, gates)
+        T, N, Fh = x.shape[0], self.num_experts, self.d_ff
+        gates = torch.zeros(T, N, dtype=x.dtype, device=x.device).scatter_add_(1, idx, w.to(x.dtype))   # [T, N]
+        h = self.act(F.linear(x, self.w1.reshape(N * Fh, -1), self.b1.reshape(N * Fh)))              # [T, N*F]
+        h = (h.view(T, N, Fh) * gates.unsqueeze(-1)).view(T, N * Fh)
+        return torch.addmm(gates @ self.b2, h, self.w2.reshape(N * Fh, -1))
 
     def gathered_dispatch(self, x, idx, w):
         T, k = idx.shape
         flat = idx.reshape(-1)
         xr = x.repeat_interleave(k, dim=0).unsqueeze(1)                                # [T*k, 1, d]
-        h = self.act(torch.baddbmm(self.b1[flat].unsqueeze(1), xr, self.w1[flat]))
+        h = self.act(torch.baddbmm(self.b1[flat].unsqueeze(1), xr, self.w1[flat].transpose(1, 2)))
         y = torch.baddbmm(self.b2[flat].unsqueeze(1), h, self.w2[flat]).squeeze(1)     # [T*k, d]
         return (y.view(T, k, -1) * w.unsqueeze(-1).to(x.dtype)).sum(1)
+
+    def sorted_dispatch(self, x, idx, w):
+        T, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // k
+        xs = x.index_select(0, token_of)
+        # unbind: one view per expert, whose backward stacks the expert grads once (indexing the
+        # stacked parameter per expert would allocate a full-size gradient per expert).
+        w1, b1, w2, b2 = (t.unbind(0) for t in (self.w1, self.b1, self.w2, self.b2))
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(torch.addmm(b2[e], self.act(F.linear(xs[start:start + n], w1[e], b1[e])), w2[e]))
+                start += n
+        ys = torch.cat(outs) * w.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, ys)
 
     def grouped_dispatch(self, x, idx, w):
         T, k = idx.shape
@@ -87,7 +108,7 @@ class Experts(nn.Module):
         token_of = order // k
         xs = x.new_zeros(self.num_experts, cap, x.shape[1])
         xs[expert_of, slot] = x[token_of]
-        h = self.act(torch.baddbmm(self.b1.unsqueeze(1), xs, self.w1))
+        h = self.act(torch.baddbmm(self.b1.unsqueeze(1), xs, self.w1.transpose(1, 2)))
         ys = torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)[expert_of, slot]          # [T*k, d]
         ys = ys * w.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)

@@ -21,11 +21,13 @@ from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS, Experts
 from moe_rl.core.routers import build_router
 from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, queue_positions
 
-# "auto" dispatch (bench/bench_moe_layer.py measures the crossovers): without autograd and few
-# assignments (rollouts), gather the chosen experts' weights; else every expert on every token
-# while that stays cheap; else group the tokens by expert.
-GATHERED_MAX_ELEMENTS = 1 << 16   # T*k*d*F: gathered-weight elements the gathered path may copy
-DENSE_MAX_MACS = 1 << 23          # T*N*d*F: multiply-adds of one dense pass
+# "auto" dispatch, from measured crossovers (BENCHMARKS.md, "MoE layer"): every expert on every
+# token while that is cheap (two matrix products); without autograd the chosen experts' weights
+# gathered while they are few; then grouped (padded bmm) up to a couple of thousand assignments,
+# sorted (a matmul pair per expert, no padding) beyond.
+DENSE_MAX_MACS = 1 << 21          # T*N*d*F: multiply-adds of one dense pass
+GATHERED_MAX_ELEMENTS = 1 << 18   # T*k*d*F: weight elements the gathered path copies
+GROUPED_MAX_ASSIGNMENTS = 2048    # T*k
 
 
 class MoELayer(nn.Module):
@@ -40,7 +42,7 @@ class MoELayer(nn.Module):
         capacity_factor: None = dropless; else > 0 and each expert takes at most
             ceil(cf * T * k / N) assignments (later tokens over the limit are dropped). The limit
             depends on the batch, so a rollout's drops are recorded and replayed in training.
-        dispatch: auto|dense|gathered|grouped (moe_rl.core.experts).
+        dispatch: auto|dense|gathered|grouped|sorted (moe_rl.core.experts).
     forward(x [..., d], replay_indices [T, k] | None, task_ids [...] | None, explore) -> (y [..., d], RoutingRecord)
         replay_indices: a recorded top-k (RoutingRecord.encoded_top_k: dropped assignments negative)
         to dispatch instead of the router's own choice; explore: let a sampling router sample.
@@ -80,9 +82,11 @@ class MoELayer(nn.Module):
         if self.dispatch != "auto":
             return self.dispatch
         d_f = self.d_model * self.d_ff
+        if num_tokens * self.num_experts * d_f <= DENSE_MAX_MACS:
+            return "dense"
         if not torch.is_grad_enabled() and num_tokens * self.top_k * d_f <= GATHERED_MAX_ELEMENTS:
             return "gathered"
-        return "dense" if num_tokens * self.num_experts * d_f <= DENSE_MAX_MACS else "grouped"
+        return "grouped" if num_tokens * self.top_k <= GROUPED_MAX_ASSIGNMENTS else "sorted"
 
     def forward(self, x: torch.Tensor, replay_indices: Optional[torch.Tensor] = None,
                 task_ids: Optional[torch.Tensor] = None, explore: bool = False):

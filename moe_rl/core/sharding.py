@@ -28,9 +28,9 @@ def is_expert_param(name: str) -> bool:
 
 
 # --- the stacked experts of a core MoE layer <-> their canonical per-expert form ---------------------
-# experts.w1 [N, d, F] <-> experts.experts.{e}.fc1.weight [F, d] (nn.Linear's layout, as DeepSpeed's
+# experts.w1 [N, F, d] <-> experts.experts.{e}.fc1.weight [F, d] (nn.Linear's layout, as DeepSpeed's
 # per-expert modules hold it), b1 [N, F] <-> fc1.bias, w2 [N, F, d] <-> fc2.weight [d, F], b2 <-> fc2.bias.
-_CANONICAL = {"w1": ("fc1.weight", True), "b1": ("fc1.bias", False), "w2": ("fc2.weight", True),
+_CANONICAL = {"w1": ("fc1.weight", False), "b1": ("fc1.bias", False), "w2": ("fc2.weight", True),
               "b2": ("fc2.bias", False)}
 _FROM_CANONICAL = {v[0]: (k, v[1]) for k, v in _CANONICAL.items()}
 
