@@ -1,6 +1,6 @@
 """The sync gate: no false positives on healthy runs, and every injected fault caught and survived.
 
-    .venv/bin/python bench/bench_gate.py healthy [--configs cartpole,multitask,tokens,cartpole_ep2]
+    .venv/bin/python bench/bench_gate.py healthy [--configs cartpole,multitask,tokens,cartpole_ep2,cartpole_bf16]
         [--seeds 0,1,2,3,4] [--iterations 25] [--json OUT]
     .venv/bin/python bench/bench_gate.py faults [--policies warn,hold,rollback] [--iterations 20]
         [--inject-at 8] [--faults a,b,c,d,e] [--json OUT]
@@ -38,6 +38,8 @@ CONFIGS = {
     "multitask": ("configs/multitask.yaml", []),
     "tokens": ("configs/tokens.yaml", []),
     "cartpole_ep2": ("configs/cartpole.yaml", ["learners.num_learners=2", "moe.ep_size=2"]),
+    # a bf16 rollout copy: a same-weights mismatch on every check, reported, never acted on
+    "cartpole_bf16": ("configs/cartpole.yaml", ["moe.inference_dtype=bf16"]),
 }
 FAULTS = {  # name -> (config, fault factory or extra overrides)
     "a_corrupt_copy": ("cartpole", lambda: faults.CorruptRolloutCopy(delta=0.5)),
@@ -71,7 +73,9 @@ def train(algo, iterations: int, inject_at=None, fault=None):
     return {"returns": returns, "final_return": sum(returns[-5:]) / len(returns[-5:]),
             "rows": [{k: r.get(k) for k in ("iteration", "decision", "cause", "action", "reason", "lag_versions",
                                              "k3", "routing_agreement")} for r in rows],
-            "actions": sum(1 for r in rows if r.get("action")), "stopped": stopped,
+            # a mismatch `report` changes nothing; the count is of checks that held, rolled back or repaired
+            "actions": sum(1 for r in rows if set((r.get("action") or "report").split(";")) - {"report"}),
+            "stopped": stopped,
             "wall_s": time.perf_counter() - t0}
 
 
@@ -85,11 +89,13 @@ def healthy(args):
                     r = train(algo, args.iterations)
                 finally:
                     algo.stop()
-                acted = [(x["iteration"], x["action"], x["reason"]) for x in r["rows"] if x["action"]]
-                print(f"{name:13s} seed {seed} {policy:8s} actions {r['actions']:2d}  final return "
-                      f"{r['final_return']:7.1f}  ({r['wall_s']:.0f}s) {acted[:3]}", flush=True)
+                acted = [(x["iteration"], x["action"], x["reason"]) for x in r["rows"]
+                         if x["action"] and x["action"] != "report"]
+                causes = sorted({x["cause"] for x in r["rows"] if x["cause"]})
+                print(f"{name:13s} seed {seed} {policy:8s} actions {r['actions']:2d}  causes {causes}  "
+                      f"final return {r['final_return']:7.1f}  ({r['wall_s']:.0f}s) {acted[:3]}", flush=True)
                 out.append({"config": name, "seed": seed, "policy": policy, **{k: r[k] for k in (
-                    "actions", "final_return", "returns", "stopped")}, "acted": acted})
+                    "actions", "final_return", "returns", "stopped")}, "acted": acted, "causes": causes})
     return out
 
 
