@@ -125,8 +125,8 @@ def fault_matrix(args):
             actions = sorted({a for x in r["rows"] for a in (x["action"] or "").split(";") if a})
             ratio = r["final_return"] / baselines[name] if baselines[name] else float("nan")
             print(f"{fault:26s} {policy:8s} caught {caught and (caught['iteration'], caught['cause'])}  actions "
-                  f"{actions}  final {r['final_return']:6.1f} ({ratio:.2f}x baseline){'  STOPPED' if r['stopped'] else ''}",
-                  flush=True)
+                  f"{actions}  final {r['final_return']:6.1f} ({ratio:.2f}x baseline)"
+                  f"{'  STOPPED' if r['stopped'] else ''}", flush=True)
             out.append({"fault": fault, "config": name, "policy": policy, "caught": caught, "actions": actions,
                         "final_return": r["final_return"], "baseline": baselines[name], "ratio": ratio,
                         "stopped": r["stopped"], "returns": r["returns"]})

@@ -72,7 +72,9 @@ def main():
     ks = [2] if args.quick else [1, 2]
     tokens = [1, 64, 4096]
     rows = []
-    hdr = f"{'N':>3} {'k':>2} {'tokens':>6} {'moe tok/s':>11} {'dense tok/s':>11} {'moe/dense':>9} {'ds_cap/dense':>12} {'ds_drop/dense':>13} {'moe/ds_cap':>10} {'moe/ds_drop':>11} {'lat moe/dense':>13} {'fwd-only lat':>12}"
+    hdr = (f"{'N':>3} {'k':>2} {'tokens':>6} {'moe tok/s':>11} {'dense tok/s':>11} {'moe/dense':>9} "
+           f"{'ds_cap/dense':>12} {'ds_drop/dense':>13} {'moe/ds_cap':>10} {'moe/ds_drop':>11} "
+           f"{'lat moe/dense':>13} {'fwd-only lat':>12}")
     print(hdr)
     for n in experts:
         for k in ks:

@@ -37,7 +37,8 @@ for _ in range(iterations):
     r = algo.train()
     steps += r["env_runners"]["num_env_steps_sampled"]
     update.append(r["timers"]["learner_update_timer"])
-print(json.dumps({"env_steps_per_s": steps / (time.perf_counter() - t0), "learner_update_s": sum(update) / len(update)}))
+print(json.dumps({"env_steps_per_s": steps / (time.perf_counter() - t0),
+                  "learner_update_s": sum(update) / len(update)}))
 algo.stop()
 ray.shutdown()
 '''

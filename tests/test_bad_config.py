@@ -24,7 +24,8 @@ CASES = [
     ("env_runners.num_env_runners=-1", "env_runners.num_env_runners"), ("iterations=0", "iterations"),
     ("consistency.thresholds.k3=-1", "consistency.thresholds.k3"),
     ("consistency.thresholds.routing_agreement=2", "consistency.thresholds.routing_agreement"),
-    ("consistency.correction.is_threshold=0", "consistency.correction.is_threshold"), ("deepspeed.num_threads=0", "deepspeed.num_threads"),
+    ("consistency.correction.is_threshold=0", "consistency.correction.is_threshold"),
+    ("deepspeed.num_threads=0", "deepspeed.num_threads"),
     # unknown names and values
     ("moe.router=magic", "moe.router"), ("moe.router_init=xavier", "moe.router_init"),
     ("moe.activation=swish", "moe.activation"), ("moe.dispatch=fast", "moe.dispatch"),

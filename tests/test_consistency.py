@@ -70,7 +70,8 @@ def test_bad_consistency_settings_name_the_field():
                             ({"thresholds": {"k9": 1}}, "consistency.thresholds.k9"),
                             ({"thresholds": {"routing_agreement": 1.5}}, "consistency.thresholds.routing_agreement"),
                             ({"thresholds": {"k3": -1}}, "consistency.thresholds.k3"),
-                            ({"correction": {"preset": "tis"}}, "consistency.correction.preset"), ({"max_holds": 0}, "consistency.max_holds"),
+                            ({"correction": {"preset": "tis"}}, "consistency.correction.preset"),
+                            ({"max_holds": 0}, "consistency.max_holds"),
                             ({"rollback_lr_scale": 0}, "consistency.rollback_lr_scale"),
                             ({"nope": 1}, "consistency.nope")]:
         with pytest.raises(ConfigError, match=f"^{field}: "):
@@ -194,7 +195,8 @@ def test_wrong_expert_mapping_on_a_rollout_actor_is_named_and_repaired(ray_local
         algo.train()
         row = last_row(algo)
         assert row["action"] == "repair"
-        assert "rollout actor 1: trunk.blocks.0.moe.experts.experts.0.fc1.weight: max_diff=" in row["param_breach_lines"]
+        breach = "rollout actor 1: trunk.blocks.0.moe.experts.experts.0.fc1.weight: max_diff="
+        assert breach in row["param_breach_lines"]
         assert algo.sync_gate._corrupt_copies() == {}
     finally:
         algo.stop()

@@ -102,7 +102,8 @@ def test_gate_state_round_trips():
 
 @pytest.mark.pure
 def test_probe_flips_count_only_above_the_margin():
-    old = {"topk": np.array([[[0, 1]], [[2, 3]], [[0, 1]]]).reshape(3, 1, 2), "margin": np.array([[1e-4], [0.5], [0.5]])}
+    old = {"topk": np.array([[[0, 1]], [[2, 3]], [[0, 1]]]).reshape(3, 1, 2),
+           "margin": np.array([[1e-4], [0.5], [0.5]])}
     new = {"topk": np.array([[[2, 3]], [[0, 1]], [[1, 0]]]).reshape(3, 1, 2), "margin": np.zeros((3, 1))}
     # token 0 flipped at a tiny margin (near-uniform router): not counted; token 1 counted;
     # token 2 kept its set (order does not matter).

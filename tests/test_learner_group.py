@@ -78,7 +78,8 @@ def _compare_with_reference(config, group, sizes):
 
 def test_each_learner_holds_half_of_the_experts(group):
     stats = group.memory_stats()
-    full = sum(v.size * 4 for k, v in group.module_state(inference_only=False)["default_policy"].items() if "experts.experts" in k)
+    state = group.module_state(inference_only=False)["default_policy"]
+    full = sum(v.size * 4 for k, v in state.items() if "experts.experts" in k)
     assert [s["expert_param_bytes"] for s in stats] == [full / 2, full / 2]
     assert all(s["peak_rss_mb"] > 0 for s in stats)
 

@@ -36,7 +36,8 @@ def metrics_rows(per_expert: bool):
                 row.update({f"moe/layer{layer}/util/e{j}": u for j, u in enumerate(util)})
                 row.update({f"moe/layer{layer}/logit_mean/e{j}": 0.1 * j - 0.01 * it for j in range(N)})
                 row.update({f"moe/layer{layer}/logit_std/e{j}": 0.5 for j in range(N)})
-        row.update({f"moe/{k}": worst(row[f"moe/layer{i}/{k}"] for i in range(LAYERS)) for k, worst in WORST_OF.items()})
+        row.update({f"moe/{k}": worst(row[f"moe/layer{i}/{k}"] for i in range(LAYERS))
+                    for k, worst in WORST_OF.items()})
         row["moe/health_level"] = int(row["moe/health"])
         row["moe/health"] = GRADES[row["moe/health_level"]]
         row.update({"drift/k1": 1e-9, "drift/k3": 1e-4 * it, "drift/max_abs_logp_diff": 0.05 * it,

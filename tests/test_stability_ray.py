@@ -29,7 +29,8 @@ def step_on_every_learner(learner, data, poison_rank=None):
 
 
 def shards(group):
-    return [dict(s) for s in group.foreach_learner(lambda l: l.shard(inference_only=False, everything=True)["default_policy"])]
+    return [dict(s) for s in group.foreach_learner(
+        lambda l: l.shard(inference_only=False, everything=True)["default_policy"])]
 
 
 def test_nan_on_one_learner_skips_the_step_on_all_and_weights_stay_bit_identical(ray_local):
@@ -84,11 +85,13 @@ def test_moe_ppo_with_the_toolkit_skips_poisoned_iterations_and_reports_lrs(ray_
     algo = config.build_algo()
     try:
         r1 = algo.train()["learners"][MID]
-        steps = r1["stability/skipped_steps"], algo.learner_group.foreach_learner(lambda l: l._stability[MID].step_count)
+        steps = (r1["stability/skipped_steps"],
+                 algo.learner_group.foreach_learner(lambda l: l._stability[MID].step_count))
         assert steps[0] == 0 and steps[1][0] == steps[1][1] > 0
         n = steps[1][0]
         assert r1["stability/lr/router"] == pytest.approx(5e-6)
-        assert r1["stability/lr/experts"] == pytest.approx(1e-6 + (3e-5 - 1e-6) * (1 + math.cos(math.pi * (n - 1) / 100)) / 2)
+        cosine = (1 + math.cos(math.pi * (n - 1) / 100)) / 2
+        assert r1["stability/lr/experts"] == pytest.approx(1e-6 + (3e-5 - 1e-6) * cosine)
         assert r1["stability/expert_dropout"] == pytest.approx(0.05 + 0.15 * n / 100)
         before = algo.learner_group.module_state(inference_only=False)["default_policy"]
         algo.learner_group.foreach_learner(lambda l: l.grad_hooks.append(poison_rank1))

@@ -63,7 +63,8 @@ def test_a_run_that_waits_says_so_and_gives_up_cleanly(tmp_path):
         hog = subprocess.Popen([sys.executable, "-c",
                                 "import ray, time\nray.init(address='auto', log_to_driver=False)\n"
                                 "@ray.remote(num_cpus=2)\nclass Hog:\n    def ok(self): return 1\n"
-                                "h = Hog.remote(); ray.get(h.ok.remote()); print('HOG', flush=True)\ntime.sleep(600)\n"],
+                                "h = Hog.remote(); ray.get(h.ok.remote()); print('HOG', flush=True)\n"
+                                "time.sleep(600)\n"],
                                env={**env, "RAY_ADDRESS": "auto"}, stdout=subprocess.PIPE, text=True)
         try:
             assert hog.stdout.readline().strip() == "HOG"

@@ -9,7 +9,7 @@ decides the speed (bench/bench_moe_layer.py).
 
 Every path computes y[t] = sum_j w[t, j] * expert_{idx[t, j]}(x[t]):
 
-    dense     every expert on every token (two bmm), combined by the [T, N] gate matrix: N/k times
+    dense     every expert on every token (two matmuls), combined by the [T, N] gate matrix: N/k times
               the FLOPs, the fewest kernels; the choice while T*N*d*F is small
     gathered  each assignment's expert weights gathered, two bmm over the T*k assignments: rollouts
               (no autograd, few tokens)
