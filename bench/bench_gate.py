@@ -58,7 +58,7 @@ def build(name: str, seed: int, policy: str, extra=()):
 
 
 def train(algo, iterations: int, inject_at=None, fault=None):
-    returns, t0 = [], time.perf_counter()
+    returns, alerts, t0 = [], [], time.perf_counter()
     stopped = None
     for i in range(iterations):
         if i == inject_at and fault is not None:
@@ -69,13 +69,14 @@ def train(algo, iterations: int, inject_at=None, fault=None):
             stopped = str(e)
             break
         returns.append(float(r["env_runners"].get("episode_return_mean", float("nan"))))
+        alerts += [f"{a['iteration']}:{a['metric']}:{a['kind']}" for a in r.get("moe_rl_alerts", [])]
     rows = algo.sync_gate.rows
     return {"returns": returns, "final_return": sum(returns[-5:]) / len(returns[-5:]),
             "rows": [{k: r.get(k) for k in ("iteration", "decision", "cause", "action", "reason", "lag_versions",
                                              "k3", "routing_agreement")} for r in rows],
             # a mismatch `report` changes nothing; the count is of checks that held, rolled back or repaired
             "actions": sum(1 for r in rows if set((r.get("action") or "report").split(";")) - {"report"}),
-            "stopped": stopped,
+            "stopped": stopped, "alerts": alerts,
             "wall_s": time.perf_counter() - t0}
 
 
@@ -93,9 +94,10 @@ def healthy(args):
                          if x["action"] and x["action"] != "report"]
                 causes = sorted({x["cause"] for x in r["rows"] if x["cause"]})
                 print(f"{name:13s} seed {seed} {policy:8s} actions {r['actions']:2d}  causes {causes}  "
-                      f"final return {r['final_return']:7.1f}  ({r['wall_s']:.0f}s) {acted[:3]}", flush=True)
+                      f"final return {r['final_return']:7.1f}  alerts {r['alerts']}  ({r['wall_s']:.0f}s) {acted[:3]}",
+                      flush=True)
                 out.append({"config": name, "seed": seed, "policy": policy, **{k: r[k] for k in (
-                    "actions", "final_return", "returns", "stopped")}, "acted": acted, "causes": causes})
+                    "actions", "final_return", "returns", "stopped", "alerts")}, "acted": acted, "causes": causes})
     return out
 
 

@@ -1,9 +1,16 @@
 """Invalid settings fail fast: exit code 2, one line naming the field and what is allowed, and no
 Ray started (in-process, so the check is that ray.is_initialized() stays False)."""
+import inspect
+
 import pytest
 import ray
 
+from moe_rl import MoEPPOConfig
 from moe_rl.app.cli import main
+from moe_rl.core.errors import ConfigError
+from moe_rl.core.gate import CONSISTENCY_DEFAULTS
+from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS
+from moe_rl.core.stability import STABILITY_DEFAULTS
 
 pytestmark = pytest.mark.pure
 
@@ -39,6 +46,8 @@ CASES = [
     ("moe.ep_size=3", "moe.ep_size"), ("deepspeed.config.zero_optimization.stage=3",
                                        "deepspeed.config.zero_optimization.stage"),
     ("moe.router=task", "moe.router_kwargs.num_tasks"),
+    ("moe.router_kwargs.sinkhorn_epsilon=0.2", "moe.router_kwargs.sinkhorn_epsilon"),  # not a topk option
+    ("consistency.sample=10", "consistency.sample"),
 ]
 
 
@@ -57,3 +66,21 @@ def test_ep_size_not_dividing_learners():
 
 def test_case_count():
     assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("section, defaults", [("moe", MOE_DEFAULTS), ("deepspeed", DEEPSPEED_DEFAULTS),
+                                               ("stability", STABILITY_DEFAULTS),
+                                               ("consistency", CONSISTENCY_DEFAULTS)])
+def test_builders_name_every_key(section, defaults):
+    """Every settings key is an explicit, documented keyword of its builder (help() and IDEs show
+    them), and a misspelt one is the same one-line ConfigError as in a run config."""
+    builder = getattr(MoEPPOConfig, section)
+    params = inspect.signature(builder).parameters
+    named = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
+    assert named == list(defaults)
+    assert all(f"{n}:" in builder.__doc__ for n in named)
+    config = MoEPPOConfig()
+    with pytest.raises(ConfigError, match=rf"^{section}\.nope: unknown key, allowed: "):
+        getattr(config, section)(nope=1)
+    getattr(config, section)(**{named[0]: defaults[named[0]]})
+    assert getattr(config, f"{section}_settings")[named[0]] == defaults[named[0]]

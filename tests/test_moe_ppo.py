@@ -30,10 +30,11 @@ def runner_forward(algo, obs):
 
 
 def learner_forward(algo, obs):
-    module = algo.learner_group._learner.module["default_policy"]
-    with torch.no_grad():
-        out = module.forward_inference({Columns.OBS: torch.as_tensor(obs)})
-    return out[Columns.ACTION_DIST_INPUTS].numpy(), out[MOE_TOPK].numpy()
+    def fwd(learner):
+        with torch.no_grad():
+            out = learner.module["default_policy"].forward_inference({Columns.OBS: torch.as_tensor(obs)})
+        return out[Columns.ACTION_DIST_INPUTS].numpy(), out[MOE_TOPK].numpy()
+    return algo.learner_group.foreach(fwd)[0]
 
 
 def logp_of_actions(logits):

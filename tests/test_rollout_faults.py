@@ -105,7 +105,7 @@ def test_nan_and_inf_in_rewards_and_observations_are_dropped_and_counted(ray_loc
         assert faults["faults/nonfinite_episodes_dropped"] > 0 and faults["faults/nonfinite_env_steps_dropped"] > 0
         assert math.isfinite(learner["policy_loss"]) and math.isfinite(learner["vf_loss"])
         assert learner["stability/skipped_steps"] == 0   # nothing non-finite got as far as a gradient
-        weights = algo.learner_group._learner.module["default_policy"].state_dict()
-        assert all(torch.isfinite(v).all() for v in weights.values())
+        weights = algo.learner_group.module_state(inference_only=False)["default_policy"]
+        assert all(torch.isfinite(torch.as_tensor(v)).all() for v in weights.values())
     finally:
         algo.stop()

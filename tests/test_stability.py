@@ -262,6 +262,21 @@ def test_anomaly_checker_fires_on_a_planted_spike_and_drop():
         (40, "vf_loss", "spike"), (50, "episode_return_mean", "drop")]
 
 
+def test_policy_loss_swings_of_healthy_ppo_are_not_spikes():
+    """PPO's surrogate changes sign between healthy iterations (measured on the quickstart: -0.15 ->
+    +0.16 after a quiet history); a jump past the floor still alerts."""
+    d = detector()
+    alerts = []
+    for row in clean_rows(30):
+        row["policy_loss"] = 0.01 * (row["iteration"] % 3)        # a quiet history: tiny MAD
+        if row["iteration"] == 20:
+            row["policy_loss"] = 0.31
+        if row["iteration"] == 25:
+            row["policy_loss"] = 3.0
+        alerts += d.observe(row)
+    assert [(a["iteration"], a["metric"]) for a in alerts] == [(25, "policy_loss")]
+
+
 def test_health_breaches_alert_when_they_start_and_memory_growth_is_caught():
     d = detector(rss_growth_mb=100)
     alerts = []

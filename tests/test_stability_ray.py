@@ -8,6 +8,7 @@ import torch.distributed as dist
 from helpers import ENV, adam_moments, batch, ds_config, shard_loss
 
 from moe_rl import MoEPPOConfig
+from moe_rl.rllib.learner import STABILITY_STATE
 
 MID = "default_policy"
 
@@ -130,13 +131,18 @@ def test_reinforce_router_is_trained_by_its_policy_gradient_loss(ray_local):
               .debugging(seed=0))
     algo = config.build_algo()
     try:
-        module = algo.learner_group._learner.module[MID]
-        baseline = module.trunk.blocks[0].moe.router.baseline.weight.detach().clone()
+        def baseline(learner):
+            return learner.module[MID].trunk.blocks[0].moe.router.baseline.weight.detach().clone()
+        before = algo.learner_group.foreach(baseline)[0]
         result = algo.train()["learners"][MID]
         assert math.isfinite(result["reinforce_router_loss"]) and result["reinforce_router_loss"] != 0
-        assert not torch.equal(baseline, module.trunk.blocks[0].moe.router.baseline.weight)
+        assert not torch.equal(before, algo.learner_group.foreach(baseline)[0])
     finally:
         algo.stop()
+
+
+def toolkit_steps(learner) -> int:
+    return learner.get_state()[STABILITY_STATE][MID]["step_count"]
 
 
 def test_schedules_continue_after_a_checkpoint_restore(ray_local, tmp_path):
@@ -150,13 +156,13 @@ def test_schedules_continue_after_a_checkpoint_restore(ray_local, tmp_path):
     algo = build()
     try:
         algo.train()
-        steps = algo.learner_group._learner._stability[MID].step_count
+        steps = algo.learner_group.foreach(toolkit_steps)[0]
         algo.save_to_path(str(tmp_path / "ckpt"))
     finally:
         algo.stop()
     algo = build()
     try:
         algo.restore_from_path(str(tmp_path / "ckpt"))
-        assert steps > 0 and algo.learner_group._learner._stability[MID].step_count == steps
+        assert steps > 0 and algo.learner_group.foreach(toolkit_steps)[0] == steps
     finally:
         algo.stop()

@@ -246,10 +246,5 @@ class PrometheusExporter:
             self._plan[key] = (self._gauges[name], full)
 
 
-def served_name(family: str) -> str:
-    """The name Ray's Prometheus endpoint serves a family under."""
-    return RAY_PREFIX + family
-
-
-__all__ = ["PrometheusExporter", "metric_name_and_tags", "exported_families", "served_name",
+__all__ = ["PrometheusExporter", "metric_name_and_tags", "exported_families",
            "SYNC_DECISIONS", "ALERTS", "DECISIONS", "PER_EXPERT_MAX"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Callable, Dict, Optional, Set
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -264,12 +264,6 @@ def router_options(kind: str) -> Dict[str, object]:
                 if name not in _SET_BY_LAYER:
                     out[name] = None if p.default is inspect.Parameter.empty else p.default
     return out
-
-
-def required_router_options(kind: str) -> Set[str]:
-    cls = ROUTER_CLASSES[kind]
-    return {n for n, p in inspect.signature(cls.__init__).parameters.items()
-            if p.kind == p.KEYWORD_ONLY and p.default is inspect.Parameter.empty}
 
 
 def build_router(kind: str, d_model: int, num_experts: int, top_k: int, **kw) -> Router:

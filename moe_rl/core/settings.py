@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.errors import need as _need
 from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS
-from moe_rl.core.routers import ROUTER_INITS, ROUTERS
+from moe_rl.core.routers import ROUTER_INITS, ROUTERS, router_options
 
 INFERENCE_DTYPES = ("fp32", "bf16")
 POLICY_HEADS = ("linear", "dual")
@@ -86,6 +86,12 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     _need(s["router_init_std"] is None or (_is_num(s["router_init_std"]) and s["router_init_std"] > 0),
           "moe.router_init_std", "None or a finite number > 0", s["router_init_std"])
     _need(isinstance(s["router_kwargs"], dict), "moe.router_kwargs", "a mapping", s["router_kwargs"])
+    # Checked against the router's own constructor, so a misspelt option fails here and not
+    # inside the rollout actors after Ray has started.
+    options = router_options(s["router"])
+    bad = sorted(set(s["router_kwargs"]) - set(options))
+    _need(not bad, f"moe.router_kwargs.{bad[0] if bad else ''}",
+          f"one of {sorted(options)} for router {s['router']!r}", bad[0] if bad else None)
     ts = s["task_slice"]
     _need(ts is None or (isinstance(ts, (list, tuple)) and len(ts) == 2 and all(_is_int(v) and v >= 0 for v in ts)
                          and ts[1] >= 1), "moe.task_slice", "null or [start, num_tasks]", ts)
