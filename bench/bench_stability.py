@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_stability.py [--seeds 10] [--iterations 20] [--nan-rate 0.0]
         [--arms both|on|off] [--on-aux 0.05] [--on-z 0.001]
-        [--on-router topk] [--json OUT]
+        [--on-router topk] [--on-balance fixed|adaptive] [--json OUT]
 
 Stress: CartPole-v1, 32 experts top-2, aggressive Adam LR (3e-3), small batches (512 steps,
 minibatch 64, 6 epochs). With --nan-rate r, each optimizer step's gradient
@@ -134,9 +134,13 @@ def main():
                    help="load-balancing loss weight of the 'on' arm (ablation)")
     p.add_argument("--on-z", type=float, default=TOOLKIT_ON_MOE["z_loss_coef"], help="z-loss weight of the 'on' arm")
     p.add_argument("--on-router", default="topk", help="router of the 'on' arm (e.g. bias: aux-loss-free balancing)")
+    p.add_argument("--on-balance", default="fixed", choices=("fixed", "adaptive"),
+                   help="moe.balance of the 'on' arm: adaptive applies the balance loss (up to --on-aux) "
+                        "only while the load is outside the healthy band")
     p.add_argument("--json")
     args = p.parse_args()
-    TOOLKIT_ON_MOE.update(aux_loss_coef=args.on_aux, z_loss_coef=args.on_z, router=args.on_router)
+    TOOLKIT_ON_MOE.update(aux_loss_coef=args.on_aux, z_loss_coef=args.on_z, router=args.on_router,
+                          balance=args.on_balance)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     runs, t0 = [], time.time()
     try:

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 from moe_rl.core.anomaly import AnomalyDetector
+from moe_rl.core.balance import AdaptiveBalance
 from moe_rl.core.layer import MoELayer
+from moe_rl.core.routing import RoutingRecord
 from moe_rl.core.settings import ConfigError
 from moe_rl.core.stability import (
     EXACT_QUANTILE_MAX,
@@ -360,3 +362,34 @@ def test_anomaly_checker_ignores_float_noise_in_drift_figures():
         row["drift/k3"] = 0.0 if i != 35 else 0.5                             # a real jump
         alerts += d.observe(row)
     assert [(a["metric"], a["kind"]) for a in alerts] == [("drift/k3", "spike")]
+
+
+# --- adaptive balance ------------------------------------------------------------------------------
+def routed(choice: torch.Tensor) -> RoutingRecord:
+    t = choice.shape[0]
+    return RoutingRecord(top_k_indices=choice, gate_weights=torch.full(choice.shape, 0.5),
+                         router_logits=torch.zeros(t, 8))
+
+
+def test_adaptive_balance_acts_only_while_the_load_is_unhealthy():
+    g = torch.Generator().manual_seed(0)
+    b = AdaptiveBalance(ceiling=0.05, num_layers=2, num_experts=8)
+    uniform = [routed(torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(64)])) for _ in range(2)]
+    for _ in range(30):
+        cv = b.observe(uniform)
+    assert b.coef == 0.0 and cv < 0.5                      # a healthy router never meets the loss
+    collapsed = [uniform[0], routed(torch.tensor([[0, 1]] * 64))]  # one layer on 2 of 8 experts
+    rises = []
+    for _ in range(20):
+        b.observe(collapsed)
+        rises.append(b.coef)
+    # the smoothed CV leaves the band within 5 steps; then ~12 steps from the floor to the ceiling
+    assert rises[4] > 0 and rises[-1] == 0.05
+    assert all(x <= y for x, y in zip(rises, rises[1:]))
+    for _ in range(200):
+        b.observe(uniform)
+    assert b.coef < 0.05 * 0.01                              # back in the band: it fades
+    state = b.get_state()
+    other = AdaptiveBalance(ceiling=0.05, num_layers=2, num_experts=8)
+    other.set_state(state)
+    assert other.coef == b.coef and torch.equal(other.loads, b.loads) and other.steps == b.steps

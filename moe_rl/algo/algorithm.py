@@ -82,6 +82,7 @@ class MoEPPOConfig(PPOConfig):
         capacity_factor: Optional[float] = NotProvided,
         dispatch: str = NotProvided,
         aux_loss_coef: float = NotProvided,
+        balance: str = NotProvided,
         z_loss_coef: float = NotProvided,
         reinforce_loss_coef: float = NotProvided,
         activation_checkpointing: bool = NotProvided,
@@ -117,7 +118,10 @@ class MoEPPOConfig(PPOConfig):
             expert_dropout: in training, drop each of a token's experts with this probability.
             capacity_factor: None: dropless; else tokens beyond the capacity are dropped.
             dispatch: auto | dense | gathered | grouped | sorted: how tokens reach the experts.
-            aux_loss_coef: Switch load-balancing loss weight.
+            aux_loss_coef: Switch load-balancing loss weight (the ceiling under balance "adaptive").
+            balance: fixed | adaptive: adaptive applies the balance loss only while the load's CV
+                is above the healthy band, rising to aux_loss_coef and fading once it is back
+                (moe_rl.core.balance).
             z_loss_coef: ST-MoE router z-loss weight.
             reinforce_loss_coef: router "reinforce": weight of its policy-gradient loss.
             activation_checkpointing: recompute MoE blocks in backward (memory for compute).

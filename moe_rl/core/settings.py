@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any, Dict, Optional
 
+from moe_rl.core.balance import BALANCE_MODES
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.errors import need as _need
 from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS
@@ -33,7 +34,8 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "expert_dropout": 0.0,
     "capacity_factor": None,   # None = dropless
     "dispatch": "auto",
-    "aux_loss_coef": 0.01,     # Switch load-balancing loss weight
+    "aux_loss_coef": 0.01,     # Switch load-balancing loss weight (the ceiling under balance: adaptive)
+    "balance": "fixed",        # fixed | adaptive: the balance loss acts only while the load is unhealthy
     "z_loss_coef": 0.001,      # ST-MoE router z-loss weight
     "reinforce_loss_coef": 1.0,  # router "reinforce": weight of its policy-gradient loss
     "activation_checkpointing": False,  # recompute MoE blocks in backward: memory for compute
@@ -107,6 +109,7 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     for f in ("trainer_second_expert_sampling", "trainer_random_token_selection", "activation_checkpointing"):
         _need(isinstance(s[f], bool), f"moe.{f}", "true or false", s[f])
     _need(s["dispatch"] in DISPATCH_PATHS, "moe.dispatch", f"one of {DISPATCH_PATHS}", s["dispatch"])
+    _need(s["balance"] in BALANCE_MODES, "moe.balance", f"one of {BALANCE_MODES}", s["balance"])
     _need(s["policy_head"] in POLICY_HEADS, "moe.policy_head", f"one of {POLICY_HEADS}", s["policy_head"])
     for f in ("aux_loss_coef", "z_loss_coef", "reinforce_loss_coef"):
         _need(_is_num(s[f]) and s[f] >= 0, f"moe.{f}", "a finite number >= 0", s[f])

@@ -18,6 +18,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.evaluation.postprocessing import Postprocessing
 
+from moe_rl.core.balance import AdaptiveBalance
 from moe_rl.core.correction import active, correct, resolve_correction, sequence_ids
 from moe_rl.core.digests import state_digests
 from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss
@@ -38,12 +39,14 @@ from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"      # PPO's adaptive KL coefficients (RLlib's state leaves them out)
 LR_SCALE = "moe_rl_lr_scale"
+BALANCE_STATE = "moe_rl_balance"
 
 
 class MoEPPOTorchLearner(PPOTorchLearner):
     def build(self) -> None:
         self._stability: Dict[str, StabilityToolkit] = {}
         self._last_routing: Dict[str, list] = {}
+        self._balance: Dict[str, AdaptiveBalance] = {}   # modules with moe.balance: adaptive
         # fn(learner, module_id), run on the parameters' .grad before the stability toolkit:
         # custom gradient surgery, or fault injection in tests.
         self.grad_hooks: List[Callable] = []
@@ -97,6 +100,8 @@ class MoEPPOTorchLearner(PPOTorchLearner):
     def after_step(self, module_id) -> None:
         """After an applied optimizer step: routers' balancing state, then the dropout schedule."""
         balance_step(self._module[module_id], self.router_stats_all_reduce())
+        if module_id in self._balance and self._last_routing.get(module_id):
+            self._balance[module_id].observe(self._last_routing[module_id], self.router_stats_all_reduce())
         self._set_expert_dropout(module_id)
 
     def router_stats_all_reduce(self):
@@ -129,6 +134,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         state[STABILITY_STATE] = {mid: tk.get_state() for mid, tk in self._stability.items()}
         state[KL_COEFFS] = {mid: v.detach().cpu().clone() for mid, v in self.curr_kl_coeffs_per_module.items()}
         state[LR_SCALE] = self.lr_scale
+        state[BALANCE_STATE] = {mid: b.get_state() for mid, b in self._balance.items()}
         return state
 
     def set_state(self, state) -> None:
@@ -138,7 +144,16 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         for mid, v in state.get(KL_COEFFS, {}).items():
             self.curr_kl_coeffs_per_module[mid].data.copy_(torch.as_tensor(v))
         self.lr_scale = float(state.get(LR_SCALE, self.lr_scale))
-        super().set_state({k: v for k, v in state.items() if k not in (STABILITY_STATE, KL_COEFFS, LR_SCALE)})
+        for mid, b_state in state.get(BALANCE_STATE, {}).items():
+            self._balance_for(mid, len(b_state["loads"])).set_state(b_state)
+        super().set_state({k: v for k, v in state.items()
+                           if k not in (STABILITY_STATE, KL_COEFFS, LR_SCALE, BALANCE_STATE)})
+
+    def _balance_for(self, module_id, num_layers: int) -> AdaptiveBalance:
+        if module_id not in self._balance:
+            s = self.plain_module(module_id).moe_settings
+            self._balance[module_id] = AdaptiveBalance(s["aux_loss_coef"], num_layers, s["num_experts"])
+        return self._balance[module_id]
 
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         records = fwd_out.get(MOE_ROUTING)
@@ -149,11 +164,13 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         if not records:
             return total
         s = self.plain_module(module_id).moe_settings   # a module's own (multi-agent overrides)
-        extra, aux, z = moe_aux_losses(records, s["aux_loss_coef"], s["z_loss_coef"])
+        aux_coef = (self._balance_for(module_id, len(records)).coef if s["balance"] == "adaptive"
+                    else s["aux_loss_coef"])
+        extra, aux, z = moe_aux_losses(records, aux_coef, s["z_loss_coef"])
         # window=1 like RLlib's own PPO loss stats: the values of the last minibatch. The health
         # metrics (dozens of keys) are computed once per update from the last minibatch's routing.
         self._last_routing[module_id] = [r.detach() for r in records]
-        stats = {"aux_loss": aux.detach(), "z_loss": z.detach()}
+        stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "aux_loss_coef": aux_coef}
         reinforce = [r for r in records if r.selection_logp is not None]
         if reinforce:  # REINFORCE router: the PPO advantage is the routing reward
             rl = sum(reinforce_router_loss(r, batch[Postprocessing.ADVANTAGES]) for r in reinforce)
