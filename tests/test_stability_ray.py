@@ -8,7 +8,7 @@ import torch.distributed as dist
 from helpers import ENV, adam_moments, batch, ds_config, shard_loss
 
 from moe_rl import MoEPPOConfig
-from moe_rl.rllib.learner import STABILITY_STATE
+from moe_rl.rllib.learner import BALANCE_STATE, STABILITY_STATE
 
 MID = "default_policy"
 
@@ -164,5 +164,33 @@ def test_schedules_continue_after_a_checkpoint_restore(ray_local, tmp_path):
     try:
         algo.restore_from_path(str(tmp_path / "ckpt"))
         assert steps > 0 and algo.learner_group.foreach(toolkit_steps)[0] == steps
+    finally:
+        algo.stop()
+
+
+def test_adaptive_balance_weight_is_logged_bounded_and_kept_in_learner_state(ray_local, tmp_path):
+    """moe.balance: adaptive trains end to end: the weight it used is in the learner results,
+    never above aux_loss_coef, and survives a checkpoint restore."""
+    def build():
+        return (MoEPPOConfig().environment("CartPole-v1").env_runners(num_env_runners=0)
+                .training(train_batch_size_per_learner=200, minibatch_size=50, num_epochs=2)
+                .moe(num_experts=8, top_k=2, d_model=16, d_ff=16, aux_loss_coef=0.05, balance="adaptive")
+                .debugging(seed=0)).build_algo()
+
+    def balance_state(learner):
+        return learner.get_state()[BALANCE_STATE][MID]
+    algo = build()
+    try:
+        coefs = [algo.train()["learners"][MID]["aux_loss_coef"] for _ in range(2)]
+        state = algo.learner_group.foreach(balance_state)[0]
+        algo.save_to_path(str(tmp_path / "ckpt"))
+    finally:
+        algo.stop()
+    assert all(0.0 <= c <= 0.05 for c in coefs) and state["steps"] >= 2 * 2 * 4   # every applied step observed
+    algo = build()
+    try:
+        algo.restore_from_path(str(tmp_path / "ckpt"))
+        restored = algo.learner_group.foreach(balance_state)[0]
+        assert restored["coef"] == state["coef"] and torch.equal(restored["loads"], state["loads"])
     finally:
         algo.stop()
