@@ -32,10 +32,13 @@ POLICIES = ("warn", "hold", "rollback")
 DECISIONS = ("sync", "warn", "hold", "rollback", "stop")
 CAUSES = ("mismatch", "corrupt_copy", "bad_update", "replica_divergence")
 
-# Same-weights mismatch: absolute limits (metric -> ("max" | "min", default)).
+# Same-weights mismatch: absolute limits (metric -> ("max" | "min", default)). An fp32 copy sits
+# near 1e-6 on all of them; a bf16 copy of the quickstart measured K3 <= 4.1e-4, agreement >= 0.97
+# and a max |dlogp| of 0.02-0.54 over 512 sampled steps (heavy-tailed: rare actions of a confident
+# policy), so |dlogp| is limited at 1.0, a factor e in one step's probability.
 MISMATCH_LIMITS = {
     "k3": ("max", 1e-3),
-    "max_abs_logp_diff": ("max", 0.5),
+    "max_abs_logp_diff": ("max", 1.0),
     "routing_agreement": ("min", 0.95),
 }
 # Update-sized signals, judged relative to the run's history. A candidate L updates ahead of the
