@@ -116,15 +116,17 @@ def test_dropless_output_matches_naive_reference(k):
     assert torch.allclose(y, naive_reference(layer, x, rec), atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 64, 300])
-def test_every_dispatch_path_gives_the_same_output(tokens):
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "no_grad"])  # no_grad: rollout branches
+@pytest.mark.parametrize("tokens", [1, 2, 3, 64, 300])
+def test_every_dispatch_path_gives_the_same_output(tokens, grad):
     torch.manual_seed(2)
     layer = MoELayer(16, 8, 2, d_ff=24, shared_expert=True).eval()
     x = torch.randn(tokens, 16)
     outs = {}
     for path in DISPATCH_PATHS:
         layer.dispatch = path
-        outs[path] = layer(x)[0]
+        with torch.set_grad_enabled(grad):
+            outs[path] = layer(x)[0]
     for path, y in outs.items():
         assert torch.allclose(y, outs["dense"], atol=1e-5), path
 

@@ -80,14 +80,25 @@ class Experts(nn.Module):
 
     def sorted_dispatch(self, x, idx, w):
         T, k = idx.shape
+        if T * k <= 4 and not torch.is_grad_enabled():
+            # A rollout step of one or two tokens: the sort, counts and scatter below would cost
+            # more than the few matmul pairs themselves.
+            rows = []
+            for t, experts in enumerate(idx.tolist()):
+                h = [torch.addmm(self.b2[e], self.act(F.linear(x[t:t + 1], self.w1[e], self.b1[e])), self.w2[e])
+                     for e in experts]
+                rows.append(sum(h[j] * w[t, j].to(x.dtype) for j in range(k)))
+            return torch.cat(rows) if rows else torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // k
         xs = x.index_select(0, token_of)
-        # unbind: one view per expert, whose backward stacks the expert grads once (indexing the
-        # stacked parameter per expert would allocate a full-size gradient per expert).
-        w1, b1, w2, b2 = (t.unbind(0) for t in (self.w1, self.b1, self.w2, self.b2))
+        # With autograd, unbind: one view per expert, whose backward stacks the expert grads once
+        # (indexing the stacked parameter per expert would allocate a full-size gradient per
+        # expert). Without it, index only the busy experts (N views per call add up at N = 64).
+        params = (self.w1, self.b1, self.w2, self.b2)
+        w1, b1, w2, b2 = (t.unbind(0) for t in params) if torch.is_grad_enabled() else params
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:

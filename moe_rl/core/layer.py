@@ -22,10 +22,13 @@ from moe_rl.core.routers import build_router
 from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, queue_positions
 
 # "auto" dispatch, from measured crossovers (BENCHMARKS.md, "MoE layer"): every expert on every
-# token while that is cheap (two matrix products); without autograd the chosen experts' weights
-# gathered while they are few; then grouped (padded bmm) up to a couple of thousand assignments,
-# sorted (a matmul pair per expert, no padding) beyond.
+# token while that is cheap (two matrix products over weights small enough to stay in cache);
+# a matmul pair per busy expert while there are fewer assignments than experts (the padded and
+# dense paths would compute every expert); without autograd the chosen experts' weights gathered
+# while they are few; then grouped (padded bmm) up to a couple of thousand assignments, sorted
+# (a matmul pair per expert, no padding) beyond.
 DENSE_MAX_MACS = 1 << 21          # T*N*d*F: multiply-adds of one dense pass
+DENSE_MAX_WEIGHTS = 1 << 18       # N*d*F: elements of one stacked expert matrix the dense pass reads
 GATHERED_MAX_ELEMENTS = 1 << 18   # T*k*d*F: weight elements the gathered path copies
 GROUPED_MAX_ASSIGNMENTS = 2048    # T*k
 
@@ -82,8 +85,10 @@ class MoELayer(nn.Module):
         if self.dispatch != "auto":
             return self.dispatch
         d_f = self.d_model * self.d_ff
-        if num_tokens * self.num_experts * d_f <= DENSE_MAX_MACS:
+        if num_tokens * self.num_experts * d_f <= DENSE_MAX_MACS and self.num_experts * d_f <= DENSE_MAX_WEIGHTS:
             return "dense"
+        if num_tokens * self.top_k < self.num_experts:
+            return "sorted"
         if not torch.is_grad_enabled() and num_tokens * self.top_k * d_f <= GATHERED_MAX_ELEMENTS:
             return "gathered"
         return "grouped" if num_tokens * self.top_k <= GROUPED_MAX_ASSIGNMENTS else "sorted"
