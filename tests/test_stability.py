@@ -264,6 +264,20 @@ def test_anomaly_checker_fires_on_a_planted_spike_and_drop():
         (40, "vf_loss", "spike"), (50, "episode_return_mean", "drop")]
 
 
+def test_small_relative_moves_on_a_smooth_history_are_not_spikes():
+    """A healthy quickstart's aux_loss went 2.004 -> 2.054 (z = 6.4 on its smooth history)."""
+    d = detector()
+    alerts = []
+    for row in clean_rows(40):
+        row["aux_loss"] = 2.0 + 0.001 * (row["iteration"] % 2)
+        if row["iteration"] == 17:
+            row["aux_loss"] = 2.05
+        if row["iteration"] == 30:
+            row["aux_loss"] = 4.0                                # a collapse-sized jump still alerts
+        alerts += d.observe(row)
+    assert [(a["iteration"], a["metric"]) for a in alerts] == [(30, "aux_loss")]
+
+
 def test_policy_loss_swings_of_healthy_ppo_are_not_spikes():
     """PPO's surrogate changes sign between healthy iterations (measured on the quickstart: -0.15 ->
     +0.16 after a quiet history); a jump past the floor still alerts."""
