@@ -10,13 +10,15 @@ decides the speed (bench/bench_moe_layer.py).
 Every path computes y[t] = sum_j w[t, j] * expert_{idx[t, j]}(x[t]):
 
     dense     every expert on every token (two matmuls), combined by the [T, N] gate matrix: N/k times
-              the FLOPs, the fewest kernels; the choice while T*N*d*F is small
+              the FLOPs, the fewest kernels; the choice while T*N*d*F is small and the stacked
+              weights fit in cache
     gathered  each assignment's expert weights gathered, two bmm over the T*k assignments: rollouts
               (no autograd, few tokens)
     grouped   assignments sorted by expert and padded to the busiest expert's count: two bmm over
               [N, C, d]
-    sorted    assignments sorted by expert, one matmul pair per expert that received tokens: large
-              token batches with large experts (no padding)
+    sorted    assignments sorted by expert, one matmul pair per expert that received tokens: fewer
+              assignments than experts (1-2-token rollout steps skip the sort), and large token
+              batches with large experts (no padding)
 
 Towards DeepSpeed's per-expert modules and the checkpoints, the stacked tensors have a canonical
 per-expert form (`experts.experts.{e}.fc1.weight` [F, d], ...; moe_rl.core.sharding).
