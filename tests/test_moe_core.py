@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_rl.core.layer import DISPATCH_PATHS, MoELayer
-from moe_rl.core.losses import load_balancing_loss, moe_aux_losses, router_z_loss
+from moe_rl.core.losses import load_balancing_loss, moe_aux_losses, replay_anchor_loss, router_z_loss
 from moe_rl.core.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
 from moe_rl.core.routers import balance_step, plackett_luce_logp
 from moe_rl.core.routing import RoutingRecord, sinkhorn, sinkhorn_potentials
@@ -181,6 +181,24 @@ def test_balance_statistics_use_the_routers_own_choice_under_replay():
         moe_aux_losses([rec], 1.0, 0.0)[1].item())
     assert moe_aux_losses([rec], 1.0, 0.0)[1].item() == pytest.approx(moe_aux_losses([own], 1.0, 0.0)[1].item())
     assert health_summary([rec])["moe/active_experts"] == health_summary([own])["moe/active_experts"] == 4
+
+
+def test_replay_anchor_is_the_router_mass_off_the_replayed_experts_and_pulls_it_back():
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, 2)
+    x = torch.randn(32, 8)
+    forced = torch.tensor([[2, 3]]).expand(32, 2)
+    _, rec = layer(x, replay_indices=forced)
+    probs = torch.softmax(rec.router_logits, -1)
+    expected = -(probs[:, 2] + probs[:, 3]).log().mean()
+    loss = replay_anchor_loss([rec])
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    loss.backward()
+    step = -layer.router.gate.bias.grad                      # a gradient step on the bias
+    assert step[2] > 0 and step[3] > 0 and step[0] < 0 and step[1] < 0
+    sampled = layer(x, replay_indices=forced)[1]
+    sampled.selection_logp = torch.zeros(32)                 # a REINFORCE record: its own loss trains it
+    assert replay_anchor_loss([sampled]).item() == 0.0
 
 
 def test_replay_carries_capacity_drops():

@@ -90,6 +90,7 @@ class MoEPPOConfig(PPOConfig):
         inference_dtype: str = NotProvided,
         ep_size: int = NotProvided,
         routing_replay: Union[bool, str] = NotProvided,
+        replay_anchor_coef: float = NotProvided,
         trainer_capacity_factor: Optional[float] = NotProvided,
         trainer_second_expert_sampling: bool = NotProvided,
         trainer_random_token_selection: bool = NotProvided,
@@ -130,6 +131,9 @@ class MoEPPOConfig(PPOConfig):
             ep_size: expert-parallel degree of the DeepSpeed learner group.
             routing_replay: R3, the learner replays the rollout's recorded top-k; auto: where the
                 routing is not a function of the token alone (reinforce, capacity).
+            replay_anchor_coef: under routing replay, weight of -log(router mass on the replayed
+                experts), which keeps the router's own choice on the experts PPO trains
+                (moe_rl.core.losses.replay_anchor_loss).
             trainer_capacity_factor: DeepSpeed learner only: drop beyond this capacity (None: dropless).
             trainer_second_expert_sampling: DeepSpeed learner only: Gumbel-sample the 2nd expert.
             trainer_random_token_selection: DeepSpeed learner only: random survivors at capacity.

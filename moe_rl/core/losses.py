@@ -45,3 +45,19 @@ def moe_aux_losses(records, aux_coef: float, z_coef: float):
     aux = sum(load_balancing_loss(r.router_probs, r.router_top_k) for r in records)
     z = sum(router_z_loss(r.router_logits) for r in records)
     return aux_coef * aux + z_coef * z, aux, z
+
+
+def replay_anchor_loss(records) -> torch.Tensor:
+    """Under routing replay: mean over tokens of -log(sum of the router's probabilities on the
+    replayed experts), summed over layers.
+
+    With gates renormalised over the k replayed experts, the PPO loss moves only their relative
+    weights, never the router's total mass on them, while the balance loss moves mass off busy
+    experts; within an update the router's own top-k then leaves the experts PPO is training
+    (replay divergence 0.6-0.8 on the quickstart) and the next rollouts route elsewhere. This term
+    keeps the mass on the trained experts. Records of a sampling router (REINFORCE) are skipped:
+    their selection is trained by its own policy-gradient loss."""
+    terms = [-r.router_probs.gather(1, r.top_k_indices).sum(1).clamp_min(1e-9).log().mean()
+             for r in records if r.selection_logp is None]
+    return sum(terms) if terms else torch.zeros(())
+

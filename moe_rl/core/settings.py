@@ -44,6 +44,7 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "ep_size": 1,              # expert-parallel degree of the learner group
     "routing_replay": "auto",  # R3: the learner replays the rollout's recorded top-k. auto: where
                                # the routing is not a function of the token alone (reinforce, capacity)
+    "replay_anchor_coef": 0.01,  # under replay: keeps the router's mass on the replayed experts
     # Trainer-only gating (DeepSpeed learner). Each is a training-inference mismatch source that
     # DeepSpeed turns on by default; here they are off unless asked for.
     "trainer_capacity_factor": None,          # None = dropless; else drop beyond the capacity
@@ -111,7 +112,7 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     _need(s["dispatch"] in DISPATCH_PATHS, "moe.dispatch", f"one of {DISPATCH_PATHS}", s["dispatch"])
     _need(s["balance"] in BALANCE_MODES, "moe.balance", f"one of {BALANCE_MODES}", s["balance"])
     _need(s["policy_head"] in POLICY_HEADS, "moe.policy_head", f"one of {POLICY_HEADS}", s["policy_head"])
-    for f in ("aux_loss_coef", "z_loss_coef", "reinforce_loss_coef"):
+    for f in ("aux_loss_coef", "z_loss_coef", "reinforce_loss_coef", "replay_anchor_coef"):
         _need(_is_num(s[f]) and s[f] >= 0, f"moe.{f}", "a finite number >= 0", s[f])
     _need(s["inference_dtype"] in INFERENCE_DTYPES, "moe.inference_dtype", f"one of {INFERENCE_DTYPES}",
           s["inference_dtype"])

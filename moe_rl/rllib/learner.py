@@ -21,7 +21,7 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 from moe_rl.core.balance import AdaptiveBalance
 from moe_rl.core.correction import active, correct, resolve_correction, sequence_ids
 from moe_rl.core.digests import state_digests
-from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss
+from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss, replay_anchor_loss
 from moe_rl.core.metrics import health_summary
 from moe_rl.core.param_groups import param_group
 from moe_rl.core.routers import Router, balance_step
@@ -34,7 +34,7 @@ from moe_rl.core.stability import (
     validate_stability,
 )
 from moe_rl.rllib.correction import RolloutCorrection, routing_flags
-from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
+from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule, replays_routing
 
 STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"      # PPO's adaptive KL coefficients (RLlib's state leaves them out)
@@ -171,6 +171,10 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         # metrics (dozens of keys) are computed once per update from the last minibatch's routing.
         self._last_routing[module_id] = [r.detach() for r in records]
         stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "aux_loss_coef": aux_coef}
+        if s["replay_anchor_coef"] > 0 and replays_routing(s):
+            anchor = replay_anchor_loss(records)
+            extra = extra + s["replay_anchor_coef"] * anchor
+            stats["replay_anchor_loss"] = anchor.detach()
         reinforce = [r for r in records if r.selection_logp is not None]
         if reinforce:  # REINFORCE router: the PPO advantage is the routing reward
             rl = sum(reinforce_router_loss(r, batch[Postprocessing.ADVANTAGES]) for r in reinforce)
