@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from moe_rl.core.metrics import expert_counts
 from moe_rl.core.routing import RoutingRecord
 
 BALANCE_MODES = ("fixed", "adaptive")
@@ -38,8 +39,7 @@ class AdaptiveBalance:
         """After an applied step: fold in this minibatch's loads (summed over the data-parallel
         learners when `all_reduce` is given, so every learner keeps the same weight) and move the
         weight. Returns the smoothed worst-layer CV."""
-        counts = torch.stack([torch.bincount(r.router_top_k.reshape(-1), minlength=self.loads.shape[1])
-                              .to(torch.float64) for r in records])
+        counts = torch.stack([expert_counts(r.router_top_k, self.loads.shape[1]) for r in records]).to(torch.float64)
         if all_reduce is not None:
             all_reduce(counts)
         share = counts / counts.sum(dim=1, keepdim=True).clamp_min(1)

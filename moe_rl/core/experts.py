@@ -87,8 +87,7 @@ class Experts(nn.Module):
             # more than the few matmul pairs themselves.
             rows = []
             for t, experts in enumerate(idx.tolist()):
-                h = [torch.addmm(self.b2[e], self.act(F.linear(x[t:t + 1], self.w1[e], self.b1[e])), self.w2[e])
-                     for e in experts]
+                h = [self.expert(e, x[t:t + 1]) for e in experts]
                 rows.append(sum(h[j] * w[t, j].to(x.dtype) for j in range(k)))
             return torch.cat(rows) if rows else torch.zeros_like(x)
         flat = idx.reshape(-1)
