@@ -10,6 +10,7 @@ gradient of the mean loss over all learners' tokens.
 from __future__ import annotations
 
 import collections
+import copy
 import os
 import pickle
 import resource
@@ -125,11 +126,11 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
                 self.after_step(module_id)
 
     # --- expert-parallel views of the module ------------------------------------------------------
-    def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, Any]]:
+    def published(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, Any]]:
         """This learner's part of the published weights, per module, under global (rollout-copy)
-        names, as numpy. Experts: only the first replica of each expert-parallel rank publishes
-        (ranks 0..ep-1). Dense tensors: only global rank 0 (they are identical everywhere).
-        everything=True: all it holds (the replica check compares those)."""
+        names, as its live tensors. Experts: only the first replica of each expert-parallel rank
+        publishes (ranks 0..ep-1). Dense tensors: only global rank 0 (they are identical
+        everywhere). everything=True: all it holds (the replica check compares those)."""
         rank = dist.get_rank()
         out = {}
         for mid in self.module.keys():
@@ -137,8 +138,7 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
             for name, tensor in self.local_state(mid, inference_only).items():
                 expert = is_expert_param(name)
                 if everything or (rank < self.ep_size if expert else rank == 0):
-                    part[to_global_name(name, self.ep_rank, self.num_local.get(mid, 1))] = \
-                        tensor.detach().cpu().numpy()
+                    part[to_global_name(name, self.ep_rank, self.num_local.get(mid, 1))] = tensor
             out[mid] = part
         return out
 
@@ -207,28 +207,60 @@ class LearnerActor:
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
                 "rss_mb": rss_mb()}
 
-    def save(self, path: str) -> None:
-        """DeepSpeed checkpoint of this rank per module (collective: every rank calls it) + the
-        RLlib learner state DeepSpeed does not hold (counters, metrics, stability toolkit, PPO's
-        KL coefficients, this process's torch RNG), as plain data (see save_learner_state)."""
-        for mid, engine in self.learner._engines.items():
-            engine.save_checkpoint(path, tag=f"moe_rl-{mid}", save_latest=False)
+    def _learner_extra(self) -> Dict[str, Any]:
+        """The RLlib learner state DeepSpeed does not hold (counters, metrics, stability toolkit,
+        PPO's KL coefficients) and this process's torch RNG."""
         extra = self.learner.get_state(not_components=["rl_module"])
         extra.pop("optimizer", None)
         if callable(extra.get("should_module_be_updated")):  # from the config; rebuilt with it
             extra.pop("should_module_be_updated")
         extra[TORCH_RNG] = torch.get_rng_state()
-        save_learner_state(extra, os.path.join(path, f"learner_rank_{self.rank}.pt"))
+        return extra
+
+    def _set_learner_extra(self, extra: Dict[str, Any]) -> None:
+        extra = dict(extra)
+        rng = extra.pop(TORCH_RNG, None)
+        self.learner.set_state(extra)
+        if rng is not None:
+            torch.set_rng_state(rng)
+
+    def save(self, path: str) -> None:
+        """DeepSpeed checkpoint of this rank per module (collective: every rank calls it) + the
+        learner state DeepSpeed does not hold, as plain data (see save_learner_state)."""
+        for mid, engine in self.learner._engines.items():
+            engine.save_checkpoint(path, tag=f"moe_rl-{mid}", save_latest=False)
+        save_learner_state(self._learner_extra(), os.path.join(path, f"learner_rank_{self.rank}.pt"))
 
     def restore(self, path: str) -> None:
         for mid, engine in self.learner._engines.items():
             engine.load_checkpoint(path, tag=f"moe_rl-{mid}", load_optimizer_states=True,
                                    load_lr_scheduler_states=True)
-        extra = load_learner_state(os.path.join(path, f"learner_rank_{self.rank}.pt"))
-        rng = extra.pop(TORCH_RNG, None)
-        self.learner.set_state(extra)
-        if rng is not None:
-            torch.set_rng_state(rng)
+        self._set_learner_extra(load_learner_state(os.path.join(path, f"learner_rank_{self.rank}.pt")))
+
+    # --- the gate's last good state, kept in this process ---------------------------------------
+    def can_keep_state(self) -> bool:
+        """A plain torch optimizer under ZeRO stage 0 (no fp16/bf16 wrapper): its state_dict is the
+        exact moments. Otherwise the group snapshots through DeepSpeed's checkpoint calls."""
+        return all(isinstance(e.optimizer, torch.optim.Optimizer) and e.zero_optimization_stage() == 0
+                   for e in self.learner._engines.values())
+
+    def keep_state(self) -> None:
+        """Weights, optimizer moments, learner state and RNG, copied in memory (on the learner's
+        device): a snapshot per sync costs a memory copy, not a checkpoint write."""
+        self._kept = {"engines": {mid: ({k: v.detach().clone() for k, v in e.module.state_dict().items()},
+                                        copy.deepcopy(e.optimizer.state_dict()))
+                                  for mid, e in self.learner._engines.items()},
+                      "extra": copy.deepcopy(self._learner_extra())}
+
+    def restore_kept_state(self) -> None:
+        for mid, (weights, optim) in self._kept["engines"].items():
+            engine = self.learner._engines[mid]
+            with torch.no_grad():
+                for k, v in engine.module.state_dict().items():
+                    v.copy_(weights[k])
+            # A deep copy: load_state_dict keeps the given tensors, which the next steps update in place.
+            engine.optimizer.load_state_dict(copy.deepcopy(optim))
+        self._set_learner_extra(copy.deepcopy(self._kept["extra"]))
 
 
 # --- learner_rank_{r}.pt: plain data only, loaded without unpickling code --------------------------

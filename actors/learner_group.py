@@ -33,6 +33,7 @@ from moe_rl.rllib.learner_group import LearnerGroupOps, learner_bundles
 from .learner import LearnerActor
 
 GROUP_STATE = "group_state.json"
+KEPT = "kept-in-memory"   # a snapshot the learners hold themselves
 logger = logging.getLogger("moe_rl")
 
 
@@ -85,6 +86,11 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
         return ray.get([w.apply.remote(fn, **kwargs) for w in self._workers])
 
     foreach_learner = foreach   # RLlib's name for it (RLlib's Algorithm calls it)
+
+    def foreach_async(self, fn: Callable, ranks: Optional[List[int]] = None, **kwargs) -> List[ray.ObjectRef]:
+        """fn(learner, **kwargs) on the learners of `ranks` (all by default), without waiting:
+        the collective weight sync runs both ends at once."""
+        return [self._workers[r].apply.remote(fn, **kwargs) for r in (range(len(self)) if ranks is None else ranks)]
     publishers = foreach        # every learner publishes its own part
 
     def memory_stats(self) -> List[Dict[str, float]]:
@@ -104,14 +110,23 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
         return {mid: {k: np.concatenate([p[mid][k] for p in parts]) for k in parts[0][mid]} for mid in data}
 
     def snapshot(self) -> str:
-        """The exact learner state (weights + every rank's optimizer moments) in a directory."""
+        """The exact learner state (weights + every rank's optimizer moments): kept in each
+        learner's memory where its optimizer allows (KEPT), else written to a directory."""
+        if getattr(self, "_keeps_state", None) is None:
+            self._keeps_state = all(ray.get([w.can_keep_state.remote() for w in self._workers]))
+        if self._keeps_state:
+            ray.get([w.keep_state.remote() for w in self._workers])
+            return KEPT
         path = getattr(self, "_snapshot_dir", None) or tempfile.mkdtemp(prefix="moe_rl_last_good_")
         self._snapshot_dir = path
         self.save_to_path(path)
         return path
 
     def restore(self, snapshot: str) -> None:
-        self.restore_from_path(snapshot)
+        if snapshot == KEPT:
+            ray.get([w.restore_kept_state.remote() for w in self._workers])
+        else:
+            self.restore_from_path(snapshot)
 
     # --- RLlib's state interface ------------------------------------------------------------------
     def get_state(self, components=None, *, not_components=None, inference_only: bool = False, **kwargs):

@@ -10,12 +10,21 @@ Pure python (no torch, no Ray). It follows the data movement the code does today
              combine forward, their gradients backward; actors/deepspeed_moe.py); non-expert grads
              all-reduced over all learners, expert grads over the expert-data-parallel group
              (actors/learner.py); nothing overlaps (stage-0 DeepSpeed, blocking all-to-all).
-  sync       each expert-parallel rank puts its shard in its node's object store, every rollout
-             actor ray.get()s all shards (the full model) and loads it (learner_group.publish_weights,
-             algorithm.load_shards_into_runner). Ray moves objects over the nodes' TCP NIC.
-  check      the consistency actor fetches the pre-update shards, one rollout copy, *every*
-             learner's complete local state (replica check) and the candidate shards, all fp32,
-             into one process and compares every tensor on one core (actors/consistency.py).
+  sync       weight_sync.transport object_store: every learner puts its part in its node's object
+             store (learner_group.publish_weights) and every rollout actor ray.get()s all parts (the
+             full model) and loads it (runner.load_shards_into_runner; Ray moves objects over the
+             nodes' TCP NIC). collective: every learner keeps its part (a copy in its own memory:
+             the synced version for the gate, published only on demand) and broadcasts it, in the
+             rollout copy's dtype, to every rollout actor, received in place
+             (actors/weight_transport.py): NCCL pipelines a broadcast, so each rollout actor's link
+             carries the model once; gloo sends from the source to each member in turn.
+  check      at the source (actors/consistency.py, algo/sync_gate.py): each learner digests its part
+             in the rollout dtype and everything it holds (replica check) and computes the update
+             size against its published part; each rollout actor digests its copy; the consistency
+             actor compares digests and O(sample_size) log-probs. After each sync the learners
+             keep the last good state (weights + optimizer moments) for hold/rollback: a copy in
+             their own memory (ZeRO stage 0), else DeepSpeed's checkpoint calls.
+             The gathered check it replaced (every model in one process) is kept as check_gathered.
   memory     per learner: weights + grads + Adam moments (+ fp32 master in bf16), experts / ep_size,
              plus a rough activation term.
 Formulas and assumptions: docs/SCALING.md. Every time is a lower bound (peak link bandwidths, no
@@ -61,6 +70,7 @@ class Setup:
     gpu_tflops: float = 312.0     # A100 bf16 dense peak
     mfu: float = 0.4
     host_copy_gbs: float = 5.0    # one process copying a state dict (measured here: 4.6)
+    device_copy_gbs: float = 1000.0   # a GPU copying its own memory (A100 HBM ~1.5 TB/s, read + write)
     compare_gbs: float = 2.5      # consistency actor, fp32 bytes compared per s (measured here)
     gpu_mem_gb: float = 80.0
     host_mem_gb: float = 512.0    # the node the consistency actor runs on
@@ -68,11 +78,21 @@ class Setup:
     tokens: int = 16384           # per learner per optimizer step
     steps_per_iter: int = 32      # optimizer steps per PPO iteration (epochs x minibatches)
     check_every: int = 1          # consistency.every
-    check_fixed_s: float = 0.09   # per-check fixed cost (RPCs, 3 trainer views): measured here
+    param_sample: float = 1.0     # consistency.param_sample: share of tensors digested per check
+    check_fixed_s: float = 0.3    # per-check fixed cost (RPCs, 3 trainer views): measured here (2 learners)
     precision: str = "bf16"       # "fp32" | "bf16" (bf16 weights/grads/activations, fp32 master)
     zero_stage: int = 0           # 0 | 1 (1 partitions master + moments over the DP group)
     capacity_factor: float = 1.0  # dispatch buffer / (T k): 1.0 = balanced dropless
-    sync_dtype: str = "fp32"      # wire format of a weight sync ("fp32" today: numpy has no bf16)
+    sync_dtype: str = "fp32"      # object-store wire format (numpy: the learners' fp32)
+    sync_transport: str = "collective"   # weight_sync.transport: object_store | collective
+    sync_backend: str = "nccl"    # collective: nccl (GPU rollout actors) | gloo (CPU rollout actors)
+    digest_gbs: float = 1.0       # bytes digested per s, one thread (moe_rl.core.digests): measured here 1.04
+    digest_threads: int = 8       # threads a process digests on (DIGEST_THREADS = min(8, cores); 2 here: 2.3 GiB/s)
+    snapshot: str = "memory"      # the gate's last good state per sync: "memory" (each learner copies its
+                                  # weights + moments on its device: ZeRO stage 0) | "disk" (DeepSpeed's
+                                  # checkpoint calls: ZeRO 1-2 or fp16/bf16 optimizer wrappers)
+    snapshot_gbs: float = 0.5     # "disk": written per learner per s (8 learners sharing a node's NVMe,
+                                  # ~4 GB/s); measured here 0.32 (DeepSpeed checkpoint to local disk)
     inference_dtype: str = "fp32" # rollout copy (moe.inference_dtype)
     step_compute_s: float = 0.0   # > 0: use this compute time per step instead of FLOPs / (peak x mfu)
     share_limit: float = 0.10
@@ -163,50 +183,74 @@ def step(s: Setup) -> dict:
 
 
 def weight_sync(s: Setup) -> dict:
-    """learners -> object store -> every rollout actor (full model each)."""
+    """The learners' parts to every rollout actor: object store (full model pulled by each) or
+    collective (each source broadcasts its part)."""
     p, ep = params(s), ep_of(s)
     rollouts = math.ceil(s.gpus * s.rollout_per_gpu)
     rollout_nodes = math.ceil(rollouts / s.rollout_per_node)
     source_nodes = math.ceil(ep / s.gpus_per_node)                  # ranks 0..ep-1 publish experts
     eth, host = s.eth_gbs * GB, s.host_copy_gbs * GB
+    part = p["experts"] // ep + p["nonexpert"]                      # rank 0's part: its experts + dense
+    keep = part * _bytes(s.precision) / (s.device_copy_gbs * GB)    # collective: the part kept in place
 
-    def seconds(wire: int, tree: bool = False) -> float:
+    def object_store(wire: int, tree: bool = False) -> float:
         model = p["inference"] * wire                               # what each rollout actor pulls
-        # publish: numpy copy + object-store put of the largest shard (rank 0: experts + dense)
-        publish = 2 * (p["experts"] // ep + p["nonexpert"]) * wire / host
         # transfer: all pulls start together and are served by the source nodes' NICs (Ray may
         # serve late pullers from copies already made: the truth lies between this and a tree)
         transfer = max(rollout_nodes * model / (source_nodes * eth), model / eth)
         if tree:                                                    # binary tree, not pipelined
             transfer = math.ceil(math.log2(rollout_nodes + 1)) * model / eth
-        return publish + transfer + model / host                    # + assemble and load_state_dict
+        return 2 * part * wire / host + transfer + model / host     # publish, pull, assemble + load
 
-    model = p["inference"] * _bytes(s.sync_dtype)
-    return {"model_bytes": model, "rollout_actors": rollouts, "rollout_nodes": rollout_nodes,
-            "network_bytes": rollout_nodes * model, "actor_bytes": rollouts * model,
-            "sync_s": seconds(_bytes(s.sync_dtype)), "sync_fp32_s": seconds(4), "sync_bf16_s": seconds(2),
-            "sync_tree_bf16_s": seconds(2, tree=True),
-            # NCCL broadcast over the GPU fabric, pipelined, bf16, straight into GPU rollout actors
-            "sync_nccl_bf16_s": p["inference"] * 2 / (_inter_gbs(s) * GB),
+    wire = _bytes(s.inference_dtype)                                # collective: the rollout copy's dtype
+    model = p["inference"] * wire
+    # NCCL: pipelined broadcasts from ep sources at once; each rollout actor's inbound link carries
+    # the whole model once; one hop of latency per member in the chain. Received in place on the GPU.
+    nccl = model / (_inter_gbs(s) * GB) + rollouts * s.latency_us * 1e-6
+    # gloo: the source sends its part to each member in turn; a source node's NIC carries its
+    # ranks' parts (rank 0: + dense) once per rollout actor; unpacked on the host.
+    node_part = (min(ep, s.gpus_per_node) * (p["experts"] // ep) + p["nonexpert"]) * wire
+    gloo = rollouts * node_part / eth + model / host
+    collective = keep + (nccl if s.sync_backend == "nccl" else gloo)
+    model_os = p["inference"] * _bytes(s.sync_dtype)
+    return {"model_bytes": model_os, "rollout_actors": rollouts, "rollout_nodes": rollout_nodes,
+            "network_bytes": rollout_nodes * model_os, "actor_bytes": rollouts * model_os,
+            "sync_object_store_s": object_store(_bytes(s.sync_dtype)), "sync_fp32_s": object_store(4),
+            "sync_bf16_s": object_store(2), "sync_tree_bf16_s": object_store(2, tree=True),
+            "sync_keep_s": keep, "sync_collective_s": collective,
+            "sync_s": collective if s.sync_transport == "collective" else object_store(_bytes(s.sync_dtype)),
             "rollout_copy_bytes": p["inference"] * _bytes(s.inference_dtype)}
 
 
 def check(s: Setup) -> dict:
-    """One consistency check, as actors/consistency.py does it (fp32 numpy everywhere)."""
+    """One consistency check at the source (what the code does), and the gathered check it replaced."""
     p, ep, n = params(s), ep_of(s), s.gpus
     dense_inf = p["nonexpert"] - s.train_only_params
+    b = _bytes(s.precision)
+    part = p["experts"] // ep + dense_inf                           # rank 0's published part
+    held = p["experts"] // ep + p["nonexpert"]                      # everything a learner holds
+    # Learners, in parallel: digests of (a share of) the part, cast to the rollout dtype, and of all
+    # they hold (hashed on the host); the update size, both sides read in fp64: against the part
+    # they kept, on the device (collective), or against the object-store copy, on the host.
+    share, digest = s.param_sample, s.digest_gbs * s.digest_threads * GB
+    size_rate = s.device_copy_gbs if s.sync_transport == "collective" else s.compare_gbs
+    learner = share * (part + held) * b / digest + 2 * part * 8 / (size_rate * GB)
+    rollout = share * p["inference"] * _bytes(s.inference_dtype) / digest   # each actor, its copy
+    # The last good state after each sync: weights + optimizer moments, per learner, in parallel.
+    opt = 8 + (4 if s.precision == "bf16" else 0)
+    snapshot = held * (b + opt) / ((s.device_copy_gbs if s.snapshot == "memory" else s.snapshot_gbs) * GB)
+    # The gathered check (before): three full fp32 models + every learner's state in one process.
     model = p["inference"] * 4
-    replicas = (n * dense_inf + n // ep * p["experts"]) * 4         # every learner's full local state
-    fetched = 3 * model + replicas                                  # pre-update, rollout copy, candidate
-    publish = 3 * 2 * (p["experts"] // ep + dense_inf) * 4 / (s.host_copy_gbs * GB)
-    fetch = fetched / (s.eth_gbs * GB)                              # into one process on one node
-    compare = (3 * model + replicas) / (s.compare_gbs * GB)         # divergence, update size, finite, replicas
-    # fix: checksums for replicas (8 B per tensor), divergence on 1/8 of the experts, bf16 on the wire
-    sampled = 3 * (dense_inf + p["experts"] / 8) * 2
-    return {"fetched_bytes": fetched, "replica_bytes": replicas,
-            "check_s": s.check_fixed_s + publish + fetch + compare,
-            "actor_peak_bytes": 3 * model + max(replicas, model),
-            "sampled_s": s.check_fixed_s + sampled / (s.eth_gbs * GB) + sampled / (s.compare_gbs * GB)}
+    replicas = (n * dense_inf + n // ep * p["experts"]) * 4
+    fetched = 3 * model + replicas
+    gathered = (s.check_fixed_s + 3 * 2 * part * 4 / (s.host_copy_gbs * GB) + fetched / (s.eth_gbs * GB)
+                + fetched / (s.compare_gbs * GB))
+    tensors = s.num_layers * (s.num_experts * 4 + 2) + 64          # digests travel: ~60 B per tensor
+    return {"check_learner_s": learner, "check_rollout_s": rollout, "check_snapshot_s": snapshot,
+            "check_s": s.check_fixed_s + learner + rollout + snapshot,
+            "check_gathered_s": gathered, "fetched_gathered_bytes": fetched,
+            "actor_peak_bytes": tensors * (n + 2) * 60,             # digests of every learner + copy
+            "actor_peak_gathered_bytes": 3 * model + max(replicas, model)}
 
 
 def evaluate(s: Setup) -> dict:
@@ -231,6 +275,7 @@ def evaluate(s: Setup) -> dict:
             # smallest consistency.every that keeps the check at or under share_limit
             "check_every_needed": max(1, math.ceil(ck["check_s"] * (1 - lim) / (lim * train))),
             "mem_gb": mem["total_bytes"] / GB, "check_actor_gb": ck["actor_peak_bytes"] / GB,
+            "check_actor_gathered_gb": ck["actor_peak_gathered_bytes"] / GB,
             "rollout_copy_gb": sy["rollout_copy_bytes"] / GB}
 
 
@@ -292,12 +337,12 @@ MEASURED_LEARNER = {  # BENCHMARKS.md, "DeepSpeed learner group: ep_size 1 vs 2"
     2: {"expert_param_bytes": 67_272_704, "peak_rss_mib": [1133.5, 1100.4], "samples_per_s": 3062,
         "alltoall_share": 0.162, "allreduce_share": 0.041},
 }
-# bench/bench_consistency.py --learners 2: the quickstart policy (2 layers, 8 experts, d 64,
-# expert hidden 64, top-2), 2 learners, ep_size 2; s/iter off 3.067, on 3.159.
+# bench/bench_consistency.py --learners 2 (2026-12-01, issue 15's check at the source): the quickstart
+# policy (2 layers, 8 experts, d 64, expert hidden 64, top-2), 2 learners, ep_size 2; s/iter off 2.912, on 3.171.
 QUICKSTART = {"d_model": 64, "d_ff": 64, "num_layers": 2, "num_experts": 8, "top_k": 2,
               "dense_params": 320 + 256 + 130 + 4545, "train_only_params": 4545, "attn_act_factor": 0.0,
               "precision": "fp32", "gpus": 2, "ep_size": "2", "gpus_per_node": 2, "check_fixed_s": 0.0}
-MEASURED_CHECK = {"off_s": 3.067, "on_s": 3.159}
+MEASURED_CHECK = {"off_s": 2.912, "on_s": 3.171}
 # A one-off probe on this host (docs/SCALING.md): two actors publish half the experts of the
 # bench_learner shape each (numpy copies, object store), a third assembles and loads them.
 MEASURED_SYNC = {"publish_s": 0.039, "load_s": 0.016, "total_s": 0.057}
@@ -333,18 +378,17 @@ def calibrate() -> list[dict]:
                          "measured": [round(r, 1) for r in rss],
                          "note": "model: 32 experts' weights + grads + Adam m, v (fp32)"})
             sy = weight_sync(dataclasses.replace(s, rollout_per_gpu=0.5))
-            rows.append({"what": "weight sync on one host, bench_learner shape (s)",
-                         "model": round(sy["sync_s"] - sy["model_bytes"] / (s.eth_gbs * GB), 4),
+            rows.append({"what": "object-store weight sync on one host, bench_learner shape (s)",
+                         "model": round(sy["sync_object_store_s"] - sy["model_bytes"] / (s.eth_gbs * GB), 4),
                          "measured": MEASURED_SYNC["total_s"],
                          "note": "publish + load only (no network on one host); host_copy_gbs 5"})
     q = Setup(**QUICKSTART)
     ck = check(q)
     overhead = MEASURED_CHECK["on_s"] - MEASURED_CHECK["off_s"]
-    rows.append({"what": "consistency check, quickstart, 2 learners (s per check)",
-                 "model": round(ck["check_s"] - ck["fetched_bytes"] / (q.eth_gbs * GB), 4),
-                 "measured": round(overhead, 3),
-                 "note": (f"bytes term only ({ck['fetched_bytes'] / 1e6:.1f} MB fetched); the measured"
-                          " 0.09 s is fixed cost and is the model's check_fixed_s")})
+    rows.append({"what": "consistency check at the source, quickstart, 2 learners (s per check)",
+                 "model": round(ck["check_s"], 4), "measured": round(overhead, 3),
+                 "note": ("bytes terms only (digests, update size, snapshot of a 0.1 MB model); the measured"
+                          " time is fixed cost (RPCs, three trainer views) and is the model's check_fixed_s")})
     return rows
 
 
@@ -353,9 +397,9 @@ COLUMNS = [("gpus", "GPUs", "{:>5}"), ("experts", "E", "{:>4}"), ("ep", "ep", "{
            ("params", "params", "{:>7}"), ("compute_s", "comp ms", "{:>7}"), ("a2a_share", "a2a", "{:>4}"),
            ("dense_ar_share", "dAR", "{:>4}"), ("expert_ar_share", "eAR", "{:>4}"),
            ("comm_share", "comm", "{:>4}"), ("mem_gb", "mem GB", "{:>6}"), ("sync_s", "sync s", "{:>6}"),
-           ("sync_share", "sync", "{:>4}"), ("sync_bf16_s", "bf16 s", "{:>6}"), ("check_s", "check s", "{:>7}"),
-           ("check_share", "chk", "{:>4}"), ("check_every_needed", "every", "{:>5}"),
-           ("check_actor_gb", "chk GB", "{:>6}")]
+           ("sync_share", "sync", "{:>4}"), ("sync_object_store_s", "os s", "{:>6}"),
+           ("check_s", "check s", "{:>7}"), ("check_share", "chk", "{:>4}"),
+           ("check_every_needed", "every", "{:>5}"), ("check_gathered_s", "gath s", "{:>6}")]
 
 
 def _cell(key: str, v) -> str:
@@ -396,8 +440,9 @@ def print_report(rep: dict) -> None:
           f" inter-node {inter}, object store {s['eth_gbs']:g} GB/s/node; {s['gpu_tflops']:g} TFLOPS x"
           f" {s['mfu']:g} MFU; {s['rollout_per_gpu']:g} rollout actor/GPU, {s['rollout_per_node']}/node")
     print("a2a, dAR, eAR: term alone vs compute; comm: all-in share of the step; sync, chk: term alone vs"
-          " training time per iteration;\nsync s: fp32 on the wire (today), bf16 s: bf16 on the wire;"
-          " every: smallest consistency.every for chk <= limit; chk GB: consistency-actor peak")
+          f" training time per iteration;\nsync s: weight_sync.transport {s['sync_transport']}"
+          f" ({s['sync_backend']}, {s['inference_dtype']} rollout copy), os s: the object store (fp32);"
+          " every: smallest consistency.every for chk <= limit;\ngath s: the gathered check this one replaced")
     n, e = rep["ep_at"]
     print(f"\nGPU sweep at {rep['at_experts']} experts\n" + table(rep["sweep_gpus"]))
     print(f"\nexpert sweep at {rep['at_gpus']} GPUs\n" + table(rep["sweep_experts"]))

@@ -9,7 +9,7 @@ from moe_rl import MoEPPOConfig
 from moe_rl.app.cli import main
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.gate import CONSISTENCY_DEFAULTS
-from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS
+from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, WEIGHT_SYNC_DEFAULTS
 from moe_rl.core.stability import STABILITY_DEFAULTS
 
 pytestmark = pytest.mark.pure
@@ -48,6 +48,8 @@ CASES = [
     ("moe.router=task", "moe.router_kwargs.num_tasks"),
     ("moe.router_kwargs.sinkhorn_epsilon=0.2", "moe.router_kwargs.sinkhorn_epsilon"),  # not a topk option
     ("consistency.sample=10", "consistency.sample"),
+    ("weight_sync.transport=nccl", "weight_sync.transport"), ("weight_sync.bucket_mb=0", "weight_sync.bucket_mb"),
+    ("weight_sync.transport=collective", "weight_sync.transport"),   # the quickstart's learner is local
 ]
 
 
@@ -70,7 +72,8 @@ def test_case_count():
 
 @pytest.mark.parametrize("section, defaults", [("moe", MOE_DEFAULTS), ("deepspeed", DEEPSPEED_DEFAULTS),
                                                ("stability", STABILITY_DEFAULTS),
-                                               ("consistency", CONSISTENCY_DEFAULTS)])
+                                               ("consistency", CONSISTENCY_DEFAULTS),
+                                               ("weight_sync", WEIGHT_SYNC_DEFAULTS)])
 def test_builders_name_every_key(section, defaults):
     """Every settings key is an explicit, documented keyword of its builder (help() and IDEs show
     them), and a misspelt one is the same one-line ConfigError as in a run config."""

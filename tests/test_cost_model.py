@@ -72,13 +72,27 @@ def test_gradient_all_reduce_uses_the_ring_factor_and_the_expert_data_parallel_g
     assert cm.step(dataclasses.replace(s, gpus=8))["expert_ar_bytes"] == 0          # ep == gpus: no replicas
 
 
-def test_weight_sync_and_check_grow_with_the_cluster():
+def test_the_object_store_sync_and_the_gathered_check_grow_with_the_cluster():
     small, big = (cm.evaluate(dataclasses.replace(BASE, gpus=n)) for n in (64, 512))
     assert big["network_bytes"] == 8 * small["network_bytes"]       # one full model per rollout node
-    assert big["sync_s"] > small["sync_s"]
+    assert big["sync_object_store_s"] > 4 * small["sync_object_store_s"]
     assert small["sync_bf16_s"] < small["sync_fp32_s"]
-    assert big["replica_bytes"] > 7 * small["replica_bytes"]          # every learner's full local state
-    assert big["check_every_needed"] > small["check_every_needed"]
+    assert big["fetched_gathered_bytes"] > 5 * small["fetched_gathered_bytes"]   # every learner's state
+    assert big["check_actor_gathered_gb"] > 5 * small["check_actor_gathered_gb"]
+
+
+def test_the_collective_sync_and_the_check_at_the_source_do_not_grow_with_the_cluster():
+    small, big = (cm.evaluate(dataclasses.replace(BASE, gpus=n)) for n in (64, 1024))
+    # NCCL: each rollout actor's link carries the model once; only a latency hop per member grows.
+    assert big["sync_collective_s"] - small["sync_collective_s"] < 0.01
+    assert big["check_s"] == small["check_s"] and big["check_actor_gb"] < 1   # digests, not models
+    # bf16 on the wire halves the broadcast; a 1/8 digest share divides the digest terms by 8
+    bf16 = cm.evaluate(dataclasses.replace(BASE, inference_dtype="bf16"))
+    assert bf16["sync_collective_s"] == pytest.approx(small["sync_collective_s"] / 2, rel=0.05)
+    share = cm.evaluate(dataclasses.replace(BASE, param_sample=0.125))
+    assert share["check_rollout_s"] == pytest.approx(small["check_rollout_s"] / 8)
+    # the gathered check (before) pulled every model into one process
+    assert small["check_gathered_s"] > 10 * small["check_s"]
 
 
 def test_cli_json_emits_the_sweep():

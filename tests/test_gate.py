@@ -11,8 +11,9 @@ from actors.consistency import probe_flip_rate
 from moe_rl import MoEPPOConfig
 from moe_rl.algo import faults
 from moe_rl.algo.sync_gate import GateStop
-from moe_rl.core.digests import differing, state_digests, tensor_digest
+from moe_rl.core.digests import differing, in_sample, sample_of, state_digests, tensor_digest
 from moe_rl.core.gate import GateState, RelativeLimit, validate_consistency
+from moe_rl.rllib.runner import runner_digests
 
 # --- pure: the decisions ---------------------------------------------------------------------------
 
@@ -173,6 +174,38 @@ def test_corrupt_rollout_copy_is_repaired_at_the_first_check(ray_local):
         assert rows[4]["decision"] == "sync" and algo.sync_gate._corrupt_copies() == {}
     finally:
         algo.stop()
+
+
+def test_a_rotating_digest_share_catches_a_corrupt_copy_within_k_checks(ray_local):
+    """consistency.param_sample 1/2: each check digests half of the tensors (the same half on the
+    learners and the rollout actors). A copy corrupted outside the next check's half (again after
+    every sync: a faulty load) is caught at the check after."""
+    algo = config(policy="warn", param_sample=0.5).build_algo()
+    try:
+        algo.train()
+        share = set(algo.synced_digests["default_policy"])
+        everything = set(algo.runner_call(runner_digests)[1][0]["default_policy"])
+        assert 0 < len(share) < len(everything)
+        # a dense tensor (the fault writes the module's own state) outside the next check's share
+        outside = sorted(n for n in everything - share if ".experts.experts." not in n)[0]
+        rows = []
+        for _ in range(2):
+            faults.inject(algo, faults.CorruptRolloutCopy(name=outside, delta=0.5))
+            algo.train()
+            rows.append(algo.sync_gate.rows[-1])
+        assert [r["cause"] for r in rows] == ["", "corrupt_copy"], [r["cause"] for r in rows]
+        assert f"{outside}: max_diff=0.5" in rows[1]["param_breach_lines"]
+    finally:
+        algo.stop()
+
+
+@pytest.mark.pure
+def test_the_rotating_shares_cover_every_tensor_once():
+    names = [f"trunk.blocks.{b}.moe.experts.experts.{e}.fc1.weight" for b in range(2) for e in range(8)]
+    for k in (2, 3, 8):
+        shares = [{n for n in names if in_sample(n, (k, i))} for i in range(k)]
+        assert set().union(*shares) == set(names) and sum(map(len, shares)) == len(names)
+    assert sample_of(1.0, 5) is None and sample_of(0.125, 11) == (8, 3)
 
 
 @pytest.mark.slow

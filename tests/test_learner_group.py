@@ -6,6 +6,7 @@ import torch.distributed as dist
 from helpers import ENV, adam_moments, batch, ds_config, shard_loss
 from ray.rllib.core.columns import Columns
 
+from actors.learner_group import KEPT
 from moe_rl.core.settings import ConfigError
 from moe_rl.core.sharding import ShardError, assemble_shards, stack_experts, to_global_name, unstack_experts
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
@@ -131,6 +132,10 @@ def test_deepspeed_config_is_passed_through(ray_local):
     try:
         assert g.foreach_learner(lambda l: (l._engines["default_policy"].gradient_clipping(),
                                             l._engines["default_policy"].zero_optimization_stage())) == [(0.25, 1)] * 2
+        # ZeRO-1 partitions the optimizer state: the gate's snapshot goes through DeepSpeed's checkpoints
+        snapshot = g.snapshot()
+        assert snapshot != KEPT and __import__("os").path.isfile(f"{snapshot}/group_state.json")
+        g.restore(snapshot)
     finally:
         g.shutdown()
 
@@ -142,15 +147,32 @@ def test_checkpoint_round_trip_is_bit_exact_on_every_rank(group, tmp_path):
     saved_moments = adam_moments(group)
     group.foreach_learner(learner_step, data={0: batch(16), 1: batch(16)})  # move away
     group.restore_from_path(path)
-    restored_weights = __import__("ray").get(group.publish_weights(inference_only=False))
-    restored_moments = adam_moments(group)
-    for a, b in zip(saved_weights, restored_weights):
+    assert_state_is(group, saved_weights, saved_moments)
+
+
+def assert_state_is(group, weights, moments):
+    """Every rank's weights and Adam moments equal the given ones, bit for bit."""
+    for a, b in zip(weights, __import__("ray").get(group.publish_weights(inference_only=False))):
         a, b = a["default_policy"], b["default_policy"]
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-    for rank_a, rank_b in zip(saved_moments, restored_moments):
+    for rank_a, rank_b in zip(moments, adam_moments(group)):
         assert len(rank_a) == len(rank_b) > 0
         for a, b in zip(rank_a, rank_b):
             assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_gate_snapshot_is_kept_in_memory_and_restores_bit_exactly(group):
+    """The last good state per sync: each learner copies its weights, Adam moments and learner
+    state in memory (no checkpoint write), restored exactly on every rank, and restorable twice."""
+    ray = __import__("ray")
+    group.foreach_learner(learner_step, data={0: batch(16), 1: batch(16)})  # non-zero Adam moments
+    token = group.snapshot()
+    assert token == KEPT
+    saved_weights, saved_moments = ray.get(group.publish_weights(inference_only=False)), adam_moments(group)
+    for _ in range(2):
+        group.foreach_learner(learner_step, data={0: batch(16), 1: batch(16)})  # move away
+        group.restore(token)
+        assert_state_is(group, saved_weights, saved_moments)
 
 
 def test_training_with_ep2_syncs_rollouts_exactly(ray_local):

@@ -35,9 +35,18 @@ import envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that
 from actors.learner_group import DeepSpeedLearnerGroup
 from moe_rl.algo.monitoring import MoEMonitoring
 from moe_rl.algo.sync_gate import GateStop, SyncGate
+from moe_rl.algo.weight_sync import CollectiveWeightSync
 from moe_rl.core.gate import CONSISTENCY_DEFAULTS, validate_consistency
 from moe_rl.core.sample_filter import drop_nonfinite
-from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
+from moe_rl.core.settings import (
+    DEEPSPEED_DEFAULTS,
+    MOE_DEFAULTS,
+    WEIGHT_SYNC_DEFAULTS,
+    ConfigError,
+    resolve_deepspeed,
+    validate_moe,
+    validate_weight_sync,
+)
 from moe_rl.core.stability import STABILITY_DEFAULTS, validate_stability
 from moe_rl.rllib.learner import MoEPPOTorchLearner
 from moe_rl.rllib.learner_group import MoELearnerGroup
@@ -51,7 +60,8 @@ logger = logging.getLogger(__name__)
 
 class MoEPPOConfig(PPOConfig):
     """PPOConfig plus `.moe(...)` (the MoE policy), `.deepspeed(...)` (the expert-parallel learner
-    group) and `.consistency(...)` (drift checks and the sync gate)."""
+    group), `.weight_sync(...)` (how the weights reach the rollout actors), `.stability(...)` and
+    `.consistency(...)` (drift checks and the sync gate)."""
 
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or MoEPPO)
@@ -59,6 +69,7 @@ class MoEPPOConfig(PPOConfig):
         self.deepspeed_settings: Dict[str, Any] = copy.deepcopy(DEEPSPEED_DEFAULTS)
         self.stability_settings: Dict[str, Any] = {}
         self.consistency_settings: Dict[str, Any] = {}
+        self.weight_sync_settings: Dict[str, Any] = {}
 
     # Builders take every key explicitly (as RLlib's own builders do), so help() and an IDE show
     # them; `**unknown` only turns a misspelt key into the one ConfigError form naming the allowed
@@ -163,6 +174,29 @@ class MoEPPOConfig(PPOConfig):
         """
         return self._set_section("deepspeed", self.deepspeed_settings, DEEPSPEED_DEFAULTS, locals())
 
+    def weight_sync(
+        self,
+        *,
+        transport: str = NotProvided,
+        backend: str = NotProvided,
+        bucket_mb: float = NotProvided,
+        timeout_s: float = NotProvided,
+        **unknown,
+    ) -> "MoEPPOConfig":
+        """How the learners' weights reach the rollout actors. Defaults:
+        moe_rl.core.settings.WEIGHT_SYNC_DEFAULTS.
+
+        Args:
+            transport: object_store (each rollout actor pulls every learner's published part) or
+                collective (each publishing learner broadcasts its part to the rollout actors in a
+                Ray collective group; needs DeepSpeed learners and remote env runners).
+            backend: collective: gloo (CPU buffers) or nccl (every member holds a GPU).
+            bucket_mb: collective: bucket size; one bucket per source is in flight.
+            timeout_s: collective: a member that does not answer in time fails the sync over to
+                the object store; the groups are formed afresh at the next sync.
+        """
+        return self._set_section("weight_sync", self.weight_sync_settings, WEIGHT_SYNC_DEFAULTS, locals())
+
     @property
     def uses_deepspeed(self) -> bool:
         return bool(resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)["enabled"])
@@ -254,6 +288,7 @@ class MoEPPOConfig(PPOConfig):
         rollback_lr_scale: float = NotProvided,
         sample_size: int = NotProvided,
         probe_size: int = NotProvided,
+        param_sample: float = NotProvided,
         position_bins: List[int] = NotProvided,
         correction: Dict[str, Any] = NotProvided,
         **unknown,
@@ -275,6 +310,9 @@ class MoEPPOConfig(PPOConfig):
             rollback_lr_scale: the retry after a rollback runs at this LR scale (compounding).
             sample_size: rollout steps per check given to the trainer-side forward.
             probe_size: fixed probe observations kept for the whole run.
+            param_sample: share of tensors digested per check (1/K): a rotating share, so every
+                tensor of every rollout copy and learner replica is compared bit for bit at least
+                every K checks; 1: all of them at every check.
             position_bins: sequence-position bins of K3 by position.
             correction: rollout correction: IS / RS / veto / routing RS, with presets
                 (moe_rl.core.correction).
@@ -304,6 +342,8 @@ class MoEPPOConfig(PPOConfig):
         validate_stability(self.stability_settings)
         resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
         validate_consistency(self.consistency_settings)
+        validate_weight_sync(self.weight_sync_settings, uses_deepspeed=self.uses_deepspeed,   # evaluation: own runners
+                             num_env_runners=None if self.in_evaluation else self.num_env_runners)
 
 
 class MoEPPO(PPO):
@@ -325,12 +365,14 @@ class MoEPPO(PPO):
         settings = validate_consistency(self.config.consistency_settings)
         self.weights_version = 0          # the version the rollout actors run
         self.updates_since_sync = 0       # > 0: the learners are ahead of the rollouts (a hold)
-        self.synced_refs: list = []       # the learners' published parts of version weights_version
+        self._synced_refs: Optional[list] = []   # the learners' published parts of version weights_version
         self.synced_digests: dict = {}
         self._pending_faults: list = []   # test hooks (moe_rl.algo.faults.inject)
         self.sync_gate = None
+        self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
+        sync = validate_weight_sync(self.config.weight_sync_settings)
+        self.weight_sync = CollectiveWeightSync(self, sync) if sync["transport"] == "collective" else None
         if settings["enabled"]:
-            self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
             discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
                 lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()
                            if isinstance(mod, MoEPolicyModule)})[1][0].items()}
@@ -344,6 +386,8 @@ class MoEPPO(PPO):
     def cleanup(self) -> None:
         if getattr(self, "sync_gate", None) is not None:
             self.sync_gate.close()
+        if getattr(self, "weight_sync", None) is not None:
+            self.weight_sync.close()
         if getattr(self, "monitoring", None) is not None:
             self.monitoring.close()
         super().cleanup()
@@ -410,22 +454,49 @@ class MoEPPO(PPO):
         refs, version = self.synced_refs, self.weights_version
         self.runner_call(lambda r: load_shards_into_runner(r, refs, version, force), runner_ids)
 
+    @property
+    def synced_refs(self) -> list:
+        """The learners' published parts of the synced version. Under the collective transport
+        they are published only when asked (a repair, a restarted rollout actor, a failed
+        broadcast): from the parts the learners kept (the gate can hold them back from the
+        synced version), else from their weights, which are the synced version until the next
+        update."""
+        if self._synced_refs is None:
+            self._synced_refs = (self.learner_group.publish_synced() if self.sync_gate is not None
+                                 else self.learner_group.publish_weights(inference_only=True))
+        return self._synced_refs
+
     def _sync_rollout_weights(self) -> None:
-        """Version v + 1 to the rollout actors: every learner publishes its own part once, each
-        rollout actor assembles them strictly. The parts stay referenced (the synced version:
-        repairs, restarted actors and the update-size check use them) and their digests, in the
-        rollout copies' dtypes, are taken where they live."""
+        """Version v + 1 to the rollout actors. object_store: every learner publishes its own part
+        once (in its node's object store) and each rollout actor pulls and assembles them strictly.
+        collective: every learner broadcasts its part to the rollout actors (the object store
+        serves when that fails) and, for the gate, keeps it. The synced version stays at hand
+        (repairs, restarted actors and the update-size check use it) and its digests, in the
+        rollout copies' dtypes, are taken where the parts live."""
         with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
-            self.synced_refs = self.learner_group.publish_weights(inference_only=True)
             self.weights_version += 1
             self.updates_since_sync = 0
-            self.push_synced_weights()
+            if self.weight_sync is None:
+                self._synced_refs = self.learner_group.publish_weights(inference_only=True)
+                self.push_synced_weights()
+            else:
+                if self.sync_gate is not None:
+                    self.learner_group.keep_synced()
+                self._synced_refs = None
+                if not self.weight_sync.sync(self.weights_version):
+                    self.push_synced_weights()
+                self.metrics.log_value(("moe_rl", "sync/collective_fallbacks"), self.weight_sync.fallbacks, window=1)
             if self.sync_gate is not None:
                 self.synced_digests = {}
-                for part in self.learner_group.shard_digests(self.rollout_dtypes):
+                for part in self.learner_group.shard_digests(self.rollout_dtypes, self.sync_gate.digest_sample()):
                     for mid, d in part.items():
                         self.synced_digests.setdefault(mid, {}).update(d)
                 self.sync_gate.after_sync()
+
+    def reference_refs(self) -> Optional[list]:
+        """What the update-size check compares against: the published parts, or None where the
+        learners kept them (the collective transport)."""
+        return self._synced_refs if self.weight_sync is None else None
 
     def continue_ledgers(self, drift_rows, alerts_total: int) -> None:
         """A resumed run: the gate's ledger and the alert count go on from the checkpoint's."""
@@ -500,7 +571,7 @@ class MoEPPO(PPO):
         if not restored or env_runner_group is not self.env_runner_group:
             return restored
         self._faults["env_runners_restored"] += len(restored)
-        if self.synced_refs:
+        if self.weights_version:
             self.push_synced_weights(runner_ids=restored, force=True)
         return restored
 

@@ -25,7 +25,7 @@ from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from actors.consistency import ConsistencyActor
-from moe_rl.core.digests import differing, max_abs_diff
+from moe_rl.core.digests import Sample, differing, max_abs_diff, sample_of
 from moe_rl.core.drift import format_breach
 from moe_rl.rllib.rl_module import MOE_TOPK
 from moe_rl.rllib.runner import runner_digests, runner_tensor
@@ -98,6 +98,11 @@ class SyncGate:
     def group(self):
         return self.algo.learner_group
 
+    def digest_sample(self, index: Optional[int] = None) -> Sample:
+        """The rotating share of tensors the digests cover (consistency.param_sample): the synced
+        version's share by default, so the sync-time digests and the next check's agree."""
+        return sample_of(self.s["param_sample"], self.algo.weights_version if index is None else index)
+
     @property
     def holding(self) -> bool:
         """The learners are ahead of the rollouts (a hold): every iteration is checked."""
@@ -149,7 +154,7 @@ class SyncGate:
 
     def _corrupt_copies(self) -> Dict[Any, Dict[str, List[str]]]:
         algo = self.algo
-        ids, digests = algo.runner_call(runner_digests)
+        ids, digests = algo.runner_call(runner_digests, sample=self.digest_sample())
         bad = {}
         for rid, actual in zip(ids, digests):
             mods = {mid: differing(algo.synced_digests.get(mid, {}), actual.get(mid, {}))
@@ -182,7 +187,7 @@ class SyncGate:
         self._pre = None
         lag = pre["lag"] + 1            # the candidate is one more update past the synced weights
         replicas = self._check_replicas()
-        stats = self.group.weight_stats(algo.synced_refs)
+        stats = self.group.weight_stats(algo.reference_refs())
         probe = ray.get(self.actor.get_probe.remote())
         candidate = (self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}, replay=False)
                      if probe else {})
@@ -212,7 +217,7 @@ class SyncGate:
         """Learners that hold the same tensor must hold the same bytes. A divergence is named and
         the learners are resynchronised from the publishing learner's copy (rank 0 for dense
         tensors, the first holder of each expert)."""
-        digests = self.group.replica_digests()
+        digests = self.group.replica_digests(self.digest_sample(self.algo.iteration))
         if len(digests) < 2:
             return []
         first: Dict[tuple, tuple] = {}

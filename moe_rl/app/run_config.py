@@ -17,6 +17,7 @@ A run config is a plain mapping whose sections are named after the MoEPPOConfig 
     moe: {num_experts: 8, ...}   # MoEPPOConfig.moe keys (moe_rl.core.settings.MOE_DEFAULTS)
     stability: {}
     consistency: {}
+    weight_sync: {transport: object_store}   # MoEPPOConfig.weight_sync keys (moe_rl.core.settings.WEIGHT_SYNC_DEFAULTS)
     wandb: {project: moe-rl, mode: offline}   # optional: log every row to Weights & Biases
     cluster: {wait_timeout_s: 120}            # give up when the actors cannot be placed (null: no limit)
     multi_agent: {policies: {p0: {}, p1: {dense: true}}, mapping: {"0": p0, "1": p1}}   # moe_rl.algo.multi_agent
@@ -40,7 +41,7 @@ from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.algo.multi_agent import apply_multi_agent, import_path, validate_multi_agent
 from moe_rl.app.wandb_logger import validate_wandb
 from moe_rl.core.gate import validate_consistency
-from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe
+from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe, validate_weight_sync
 from moe_rl.core.stability import validate_stability
 
 BUILDER_SECTIONS = ("env_runners", "learners", "training")
@@ -49,7 +50,7 @@ TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "st
              "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool, "wandb": (dict, type(None)),
              "cluster": dict, "multi_agent": dict}
 RUN_DEFAULTS = {"checkpoint_keep": 3, "checkpoint_verify_every_s": 7200, "restore_on_learner_failure": True}
-SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency")
+SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency", "weight_sync")
 
 
 def default_config_path() -> str:
@@ -143,6 +144,7 @@ def validate_run_config(cfg: Dict[str, Any]):
     config.deepspeed(**(cfg.get("deepspeed") or {}))
     config.stability(**(cfg.get("stability") or {}))
     config.consistency(**(cfg.get("consistency") or {}))
+    config.weight_sync(**(cfg.get("weight_sync") or {}))
     config.debugging(seed=cfg.get("seed", 0))
     validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
     if cfg.get("multi_agent") is not None:
@@ -151,6 +153,8 @@ def validate_run_config(cfg: Dict[str, Any]):
     resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
     validate_consistency(config.consistency_settings)
     validate_stability(config.stability_settings)
+    validate_weight_sync(config.weight_sync_settings, uses_deepspeed=config.uses_deepspeed,
+                         num_env_runners=config.num_env_runners)
     try:
         config.validate()
     except ValueError as e:  # RLlib's own checks: keep their message, one line
@@ -222,6 +226,7 @@ def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
     out["stability"] = validate_stability(config.stability_settings)
     out["consistency"] = validate_consistency(config.consistency_settings)
+    out["weight_sync"] = validate_weight_sync(config.weight_sync_settings)
     for section in BUILDER_SECTIONS:
         out[section] = {}
         for k in sorted(_builder_params(config, section)):

@@ -3,14 +3,17 @@
 The consistency checks compare digests, never whole models gathered in one process: a learner
 digests its own shard, a rollout actor its own copy, and only the small digests travel.
 
-A digest is (sum, sum of squares, max |w|, hash of the bytes). The sums are taken in fp64 of
-the tensor as stored. The hash is exact: the rollout copy must equal the synced weights *cast to
+A digest is (sum, sum of squares, max |w|, hash of the bytes). Only the hash decides equality;
+the sums describe the tensor (fp32 accumulation: torch's pairwise reductions, one pass each and
+no fp64 copy of the weights). The hash is exact: the rollout copy must equal the synced weights *cast to
 the rollout copy's dtype* bit for bit (a bf16 copy rounds each fp32 weight the same way every
 time), so the expected digest is taken of the synced tensor cast to that dtype.
 """
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -32,19 +35,47 @@ def tensor_digest(value, dtype: Optional[torch.dtype] = None) -> Digest:
     t = as_tensor(value)
     if dtype is not None and t.dtype != dtype:
         t = t.to(dtype)
-    t = t.contiguous().reshape(-1)
-    h = hashlib.blake2b(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", digest_size=16)
+    t = t.detach().cpu().contiguous().reshape(-1)
+    h = hashlib.blake2b(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"", digest_size=16)
     h.update(f"{t.dtype}".encode())
     if not t.numel():
         return 0.0, 0.0, 0.0, h.hexdigest()
-    d = t.double()
-    return float(d.sum()), float(d.pow(2).sum()), float(d.abs().max()), h.hexdigest()
+    f = t if t.dtype == torch.float32 else t.float()
+    lo, hi = torch.aminmax(f)
+    return float(f.sum()), float(torch.dot(f, f)), max(-float(lo), float(hi)), h.hexdigest()
 
 
-def state_digests(state: Mapping[str, object], dtypes: Optional[Mapping[str, str]] = None) -> Dict[str, Digest]:
-    """{name: digest} of a state dict; `dtypes` (name -> dtype name) casts before digesting."""
+Sample = Optional[Tuple[int, int]]   # (K, index): the index-th of K rotating shares of the tensors; None: all
+
+
+def sample_of(param_sample: float, index: int) -> Sample:
+    """consistency.param_sample (1/K) at check `index` -> the share to digest (None: every tensor)."""
+    k = max(1, round(1 / param_sample))
+    return None if k == 1 else (k, index % k)
+
+
+def in_sample(name: str, sample: Sample) -> bool:
+    """Whether `name` is in the share: a fixed hash of the name, so every process picks the same
+    tensors and K consecutive indices cover every tensor once."""
+    if sample is None:
+        return True
+    k, index = sample
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little") % k == index
+
+
+DIGEST_THREADS = min(8, os.cpu_count() or 1)
+
+
+def state_digests(state: Mapping[str, object], dtypes: Optional[Mapping[str, str]] = None,
+                  sample: Sample = None) -> Dict[str, Digest]:
+    """{name: digest} of a state dict (of its share `sample`); `dtypes` (name -> dtype name) casts
+    before digesting. Tensors are digested on DIGEST_THREADS threads (torch and hashlib release
+    the GIL), so a copy is hashed at several times one core's rate."""
     dtypes = dtypes or {}
-    return {k: tensor_digest(v, DTYPES.get(dtypes.get(k, ""), None)) for k, v in state.items()}
+    names = [k for k in state if in_sample(k, sample)]
+    with ThreadPoolExecutor(DIGEST_THREADS) as pool:
+        digests = pool.map(lambda k: tensor_digest(state[k], DTYPES.get(dtypes.get(k, ""), None)), names)
+        return dict(zip(names, digests))
 
 
 def state_dtypes(state: Mapping[str, torch.Tensor]) -> Dict[str, str]:

@@ -65,6 +65,8 @@ CONSISTENCY_DEFAULTS: Dict[str, Any] = {
     "rollback_lr_scale": 0.5, # the retry after a rollback runs at this LR scale (compounding)
     "sample_size": 512,       # rollout steps per check given to the trainer-side forward
     "probe_size": 256,        # fixed probe observations kept for the whole run
+    "param_sample": 1.0,      # share of tensors digested per check (1/K: a rotating 1/K, so every
+                              # tensor is compared, bit for bit, at least every K checks)
     "position_bins": [8, 16, 32, 64, 128, 256, 512, 1024],
     "correction": {},         # rollout correction: IS / RS / veto / routing RS (moe_rl.core.correction)
 }
@@ -102,6 +104,8 @@ def validate_consistency(c: dict) -> dict:
          "a number in (0, 1]", c["rollback_lr_scale"])
     for f in ("sample_size", "probe_size"):
         need(whole(c[f], 1), f"consistency.{f}", "an int >= 1", c[f])
+    need(num(c["param_sample"]) and 0 < c["param_sample"] <= 1, "consistency.param_sample", "a number in (0, 1]",
+         c["param_sample"])
     bins = c["position_bins"]
     need(isinstance(bins, (list, tuple)) and bins and all(whole(b, 1) for b in bins) and list(bins) == sorted(bins),
          "consistency.position_bins", "an ascending list of ints >= 1", bins)

@@ -169,3 +169,38 @@ def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int)
     _need(d["placement_strategy"] in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
           "deepspeed.placement_strategy", "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD", d["placement_strategy"])
     return d
+
+
+SYNC_TRANSPORTS = ("object_store", "collective")
+SYNC_BACKENDS = ("gloo", "nccl")
+
+WEIGHT_SYNC_DEFAULTS: Dict[str, Any] = {
+    "transport": "object_store",  # object_store | collective (learners broadcast their parts to the rollout actors)
+    "backend": "gloo",            # collective: gloo (CPU buffers) | nccl (every member holds a GPU)
+    "bucket_mb": 32.0,            # collective: one bucket per source in flight, in the rollout copy's dtype
+    "timeout_s": 60.0,            # collective: a member that does not answer in time fails the sync over
+                                  # to the object store (and the group is rebuilt at the next sync)
+}
+
+
+def validate_weight_sync(d: Dict[str, Any], *, uses_deepspeed: Optional[bool] = None,
+                         num_env_runners: Optional[int] = None) -> Dict[str, Any]:
+    """Validate `weight_sync.*` (defaults merged in); returns the full dict. The collective transport
+    needs remote learners and remote rollout actors: the driver (a local learner or env runner)
+    cannot join a Ray collective group. None skips that layout check."""
+    unknown = sorted(set(d) - set(WEIGHT_SYNC_DEFAULTS))
+    _need(not unknown, f"weight_sync.{unknown[0] if unknown else ''}", f"one of {sorted(WEIGHT_SYNC_DEFAULTS)}",
+          unknown[0] if unknown else None)
+    s = {**WEIGHT_SYNC_DEFAULTS, **d}
+    _need(s["transport"] in SYNC_TRANSPORTS, "weight_sync.transport", f"one of {SYNC_TRANSPORTS}", s["transport"])
+    _need(s["backend"] in SYNC_BACKENDS, "weight_sync.backend", f"one of {SYNC_BACKENDS}", s["backend"])
+    for f in ("bucket_mb", "timeout_s"):
+        _need(_is_num(s[f]) and s[f] > 0, f"weight_sync.{f}", "a finite number > 0", s[f])
+    if s["transport"] == "collective":
+        _need(uses_deepspeed is not False, "weight_sync.transport",
+              "object_store without the DeepSpeed learner group (collective needs remote learners: "
+              "deepspeed.enabled=true)", s["transport"])
+        _need(num_env_runners is None or num_env_runners >= 1, "weight_sync.transport",
+              "object_store with env_runners.num_env_runners=0 (collective needs remote rollout actors)",
+              s["transport"])
+    return s

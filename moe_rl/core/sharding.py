@@ -35,24 +35,38 @@ _CANONICAL = {"w1": ("fc1.weight", False), "b1": ("fc1.bias", False), "w2": ("fc
 _FROM_CANONICAL = {v[0]: (k, v[1]) for k, v in _CANONICAL.items()}
 
 
+def _canonical_items(state: Mapping):
+    """(canonical name, value, transpose) per entry: a stacked expert tensor as its N pieces
+    (transpose: whether the canonical layout is the piece transposed), every other entry as is
+    (transpose None)."""
+    for name, value in state.items():
+        m = _STACKED.match(name)
+        if not m:
+            yield name, value, None
+            continue
+        suffix, transpose = _CANONICAL[m.group(2)]
+        for e in range(value.shape[0]):
+            yield f"{m.group(1)}.experts.{e}.{suffix}", value[e], transpose
+
+
 def unstack_experts(state: Mapping) -> Dict:
     """Stacked expert tensors -> their canonical per-expert entries (torch or numpy, copies made
     contiguous); every other entry as is."""
     out: Dict = {}
-    for name, value in state.items():
-        m = _STACKED.match(name)
-        if not m:
-            out[name] = value
-            continue
-        suffix, transpose = _CANONICAL[m.group(2)]
-        for e in range(value.shape[0]):
-            piece = value[e]
-            if isinstance(piece, torch.Tensor):
-                piece = (piece.transpose(0, 1) if transpose else piece).contiguous()
-            else:
-                piece = np.ascontiguousarray(piece.T if transpose else piece)
-            out[f"{m.group(1)}.experts.{e}.{suffix}"] = piece
+    for name, piece, transpose in _canonical_items(state):
+        if transpose is None:
+            out[name] = piece
+        elif isinstance(piece, torch.Tensor):
+            out[name] = (piece.transpose(0, 1) if transpose else piece).contiguous()
+        else:
+            out[name] = np.ascontiguousarray(piece.T if transpose else piece)
     return out
+
+
+def canonical_views(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Like unstack_experts, but views into the (torch) tensors, never copies: writing a view
+    writes the module's own storage (a collective sync receives into them)."""
+    return {name: piece.transpose(0, 1) if transpose else piece for name, piece, transpose in _canonical_items(state)}
 
 
 def stack_experts(state: Mapping, stacked_names: Optional[Iterable[str]] = None) -> Dict:

@@ -20,7 +20,7 @@ from ray.rllib.evaluation.postprocessing import Postprocessing
 
 from moe_rl.core.balance import AdaptiveBalance
 from moe_rl.core.correction import active, correct, resolve_correction, sequence_ids
-from moe_rl.core.digests import state_digests
+from moe_rl.core.digests import Sample, state_digests
 from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss, replay_anchor_loss
 from moe_rl.core.metrics import health_summary
 from moe_rl.core.param_groups import param_group
@@ -209,38 +209,53 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         skip = tuple(m.get_non_inference_attributes()) if inference_only and isinstance(m, InferenceOnlyAPI) else ()
         return {k: v for k, v in m.state_dict().items() if not (skip and k.split(".")[0] in skip)}
 
-    def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, np.ndarray]]:
-        """{module_id: {global name: array}}: this learner's part of the published weights, stacked
+    def published(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, torch.Tensor]]:
+        """{module_id: {global name: tensor}}: this learner's part of the published weights, stacked
         experts in their canonical per-expert form (moe_rl.core.sharding). A single learner (or one
         data-parallel replica of many) publishes everything."""
-        return {mid: {k: v.detach().cpu().numpy()
-                      for k, v in unstack_experts(self.local_state(mid, inference_only)).items()}
-                for mid in self.module.keys()}
+        return {mid: unstack_experts(self.local_state(mid, inference_only)) for mid in self.module.keys()}
+
+    def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, np.ndarray]]:
+        """published() as numpy copies (the object-store sync, checkpoints, the checks)."""
+        return {mid: {k: v.detach().cpu().numpy() for k, v in state.items()}
+                for mid, state in self.published(inference_only, everything).items()}
 
     def shard_digests(self, dtypes: Optional[Mapping[str, Mapping[str, str]]] = None, everything: bool = False,
-                      inference_only: bool = True):
-        """Digests of `shard()`, each tensor cast to the rollout copy's dtype (dtypes: module_id ->
-        name -> dtype name) so they compare bit for bit with the rollout actors' own digests."""
-        return {mid: state_digests(state, (dtypes or {}).get(mid))
-                for mid, state in self.shard(inference_only, everything).items()}
+                      inference_only: bool = True, sample: Sample = None):
+        """Digests of `published()` (of its share `sample`), each tensor cast to the rollout copy's
+        dtype (dtypes: module_id -> name -> dtype name) so they compare bit for bit with the
+        rollout actors' own digests."""
+        return {mid: state_digests(state, (dtypes or {}).get(mid), sample)
+                for mid, state in self.published(inference_only, everything).items()}
 
-    def weight_stats(self, reference: Mapping[str, Mapping[str, np.ndarray]]) -> Dict[str, Any]:
-        """Candidate vs `reference` (this learner's part of the last synced weights), computed here:
-        per module and parameter group [sum (new - old)^2, sum old^2] for the update size, and
-        whether every tensor this learner holds is finite."""
+    def keep_synced(self) -> None:
+        """Keep this learner's part of the version just synced, here (a copy beside the weights),
+        instead of publishing it: the collective sync publishes it only when asked (synced_part)."""
+        self._synced_part = {mid: {k: v.detach().clone() for k, v in part.items()}
+                             for mid, part in self.published().items()}
+
+    def synced_part(self) -> Dict[str, Dict[str, np.ndarray]]:
+        return {mid: {k: v.cpu().numpy() for k, v in part.items()} for mid, part in self._synced_part.items()}
+
+    def weight_stats(self, reference: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Dict[str, Any]:
+        """Candidate vs `reference` (this learner's part of the last synced weights; None: the part
+        it kept), computed here: per module and parameter group [sum (new - old)^2, sum old^2] for
+        the update size, and whether every tensor this learner holds is finite."""
+        reference = self._synced_part if reference is None else reference
         out: Dict[str, Any] = {"finite": True, "terms": {}}
         for mid in self.module.keys():
             out["finite"] &= all(bool(torch.isfinite(p).all()) for p in self.plain_module(mid).parameters())
-        for mid, state in self.shard().items():
+        for mid, state in self.published().items():
             terms = out["terms"].setdefault(mid, {})
             for name, new in state.items():
                 old = reference.get(mid, {}).get(name)
-                if old is None or not np.issubdtype(np.asarray(new).dtype, np.floating):
+                if old is None or not new.is_floating_point():
                     continue
-                a, b = np.asarray(old, dtype=np.float64), np.asarray(new, dtype=np.float64)
+                old = old if isinstance(old, torch.Tensor) else torch.from_numpy(np.array(old, dtype=np.float64))
+                a, b = old.to(new.device, torch.float64), new.detach().double()
                 t = terms.setdefault(param_group(name), [0.0, 0.0])
-                t[0] += float(np.square(b - a).sum())
-                t[1] += float(np.square(a).sum())
+                t[0] += float((b - a).square().sum())
+                t[1] += float(a.square().sum())
         return out
 
     def load_shards(self, shards: List[Mapping[str, Mapping[str, Any]]], inference_only: bool = True) -> None:

@@ -6,9 +6,12 @@ update / get_state / set_state / save_to_path / restore_from_path, both offer:
 
     foreach(fn, **kw) -> list         fn(learner, **kw) on every learner, plain results
     publish_weights(inference_only)   per-learner shard refs, each {module_id: {global name: array}}
-    shard_digests(dtypes)             digests of the published parts, computed on the learners
-    replica_digests()                 every learner's digests of all it holds (replica check)
+    keep_synced() / publish_synced()  keep the synced part on each learner; publish it when asked
+    shard_digests(dtypes, sample)     digests of the published parts (or of a rotating share of
+                                      the tensors), computed on the learners
+    replica_digests(sample)           every learner's digests of all it holds (replica check)
     weight_stats(reference_refs)      update-size terms and finiteness vs the last synced shards
+                                      (None: vs the parts the learners kept)
     load_shards(refs, inference_only) weights only, from published shards (a replica resync)
     trainer_view(data, replay)        the learners' own forward on rollout data
     snapshot() / restore(snapshot)    the exact learner state (weights and optimizer moments)
@@ -33,6 +36,7 @@ from ray.rllib.core import COMPONENT_LEARNER
 from ray.rllib.core.learner.learner_group import LearnerGroup
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
+from moe_rl.core.digests import Sample
 from moe_rl.core.sharding import assemble_modules
 
 
@@ -58,8 +62,12 @@ def _put_shard(learner, inference_only: bool):
     return ray.put(learner.shard(inference_only))
 
 
+def _put_synced(learner):
+    return ray.put(learner.synced_part())
+
+
 def _weight_stats(learner, refs):
-    return learner.weight_stats(ray.get(refs[learner_index(learner, len(refs))]))
+    return learner.weight_stats(ray.get(refs[learner_index(learner, len(refs))]) if refs else None)
 
 
 def _load_shards(learner, refs, inference_only):
@@ -88,13 +96,19 @@ class LearnerGroupOps:
     def publish_weights(self, inference_only: bool = True) -> List[ray.ObjectRef]:
         return self.publishers(_put_shard, inference_only=inference_only)
 
-    def shard_digests(self, dtypes: Optional[Mapping] = None) -> List[Dict[str, Dict]]:
-        return self.publishers(lambda l: l.shard_digests(dtypes))
+    def keep_synced(self) -> None:
+        self.publishers(lambda l: l.keep_synced())
 
-    def replica_digests(self) -> List[Dict[str, Dict]]:
-        return self.foreach(lambda l: l.shard_digests(everything=True, inference_only=False))
+    def publish_synced(self) -> List[ray.ObjectRef]:
+        return self.publishers(_put_synced)
 
-    def weight_stats(self, reference_refs: List[ray.ObjectRef]) -> Dict[str, Any]:
+    def shard_digests(self, dtypes: Optional[Mapping] = None, sample: Sample = None) -> List[Dict[str, Dict]]:
+        return self.publishers(lambda l: l.shard_digests(dtypes, sample=sample))
+
+    def replica_digests(self, sample: Sample = None) -> List[Dict[str, Dict]]:
+        return self.foreach(lambda l: l.shard_digests(everything=True, inference_only=False, sample=sample))
+
+    def weight_stats(self, reference_refs: Optional[List[ray.ObjectRef]]) -> Dict[str, Any]:
         return _sum_terms(self.publishers(_weight_stats, refs=reference_refs))
 
     def load_shards(self, refs: List[ray.ObjectRef], inference_only: bool = True) -> None:

@@ -13,7 +13,7 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
-from moe_rl.core.digests import state_digests, state_dtypes
+from moe_rl.core.digests import Sample, state_digests, state_dtypes
 from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
 
 
@@ -47,8 +47,8 @@ def load_shards_into_runner(runner, shard_refs: List[ray.ObjectRef], version: in
     runner.set_state({COMPONENT_RL_MODULE: state} if force else {COMPONENT_RL_MODULE: state, WEIGHTS_SEQ_NO: version})
 
 
-def runner_digests(runner) -> Dict[str, Dict]:
-    return {mid: state_digests(synced_state(m)) for mid, m in runner_modules(runner).items()}
+def runner_digests(runner, sample: Sample = None) -> Dict[str, Dict]:
+    return {mid: state_digests(synced_state(m), sample=sample) for mid, m in runner_modules(runner).items()}
 
 
 def runner_dtypes(runner) -> Dict[str, Dict[str, str]]:

@@ -1,0 +1,68 @@
+"""Buckets of a collective weight sync (pure torch: the plan both ends agree on, packing, unpacking).
+
+A source (a learner) and its receivers (the rollout actors) derive the same plan from the same
+manifest: the ordered (module id, global name, shape, wire dtype) of every tensor the source
+publishes. Tensors travel in the rollout copy's dtype (bf16 on the wire for a bf16 copy), packed
+byte for byte into flat uint8 buckets of at most `bucket_bytes` (a larger tensor travels alone),
+so one bucket per source is in flight, never a second model.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterator, List, Sequence, Tuple
+
+import torch
+
+from moe_rl.core.digests import DTYPES
+
+Entry = Tuple[str, str, Tuple[int, ...], str]   # (module id, global name, shape, wire dtype name)
+
+
+def entry_bytes(entry: Entry) -> int:
+    return math.prod(entry[2]) * DTYPES[entry[3]].itemsize
+
+
+def plan_buckets(entries: Sequence[Entry], bucket_bytes: int) -> List[List[Entry]]:
+    """Consecutive entries grouped so that each bucket holds at most `bucket_bytes`."""
+    buckets: List[List[Entry]] = []
+    size = 0
+    for e in entries:
+        n = entry_bytes(e)
+        if not buckets or size + n > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(e)
+        size += n
+    return buckets
+
+
+def plan_id(entries: Sequence[Entry]) -> int:
+    """A 62-bit fingerprint of the manifest: both ends check they hold the same plan."""
+    h = hashlib.blake2b(repr([tuple(e[:2]) + (tuple(e[2]), e[3]) for e in entries]).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def bucket_bytes_of(bucket: Sequence[Entry]) -> int:
+    return sum(entry_bytes(e) for e in bucket)
+
+
+def pack(tensors: Sequence[torch.Tensor], bucket: Sequence[Entry], out: torch.Tensor) -> torch.Tensor:
+    """The bucket's tensors, each cast to its wire dtype, written into the front of `out` (a flat
+    uint8 buffer reused for every bucket); returns that slice."""
+    out = out[:bucket_bytes_of(bucket)]
+    offset = 0
+    for t, e in zip(tensors, bucket):
+        n = entry_bytes(e)
+        out[offset:offset + n].view(DTYPES[e[3]]).view(e[2]).copy_(t.detach())   # the cast happens in the copy
+        offset += n
+    return out
+
+
+def unpack(buffer: torch.Tensor, bucket: Sequence[Entry]) -> Iterator[Tuple[Entry, torch.Tensor]]:
+    """(entry, tensor view into `buffer`) for every entry of a received bucket."""
+    offset = 0
+    for e in bucket:
+        n = entry_bytes(e)
+        yield e, buffer[offset:offset + n].view(DTYPES[e[3]]).view(e[2])
+        offset += n
