@@ -30,10 +30,6 @@ def _runner_join(runner, ranks: Dict[int, int], groups: List[str], world_size: i
     return None
 
 
-def _runner_leave(runner, groups: List[str]) -> None:
-    leave(runner, groups)
-
-
 class CollectiveWeightSync:
     def __init__(self, algo, settings: Dict[str, Any]):
         self.algo, self.s = algo, settings
@@ -44,6 +40,7 @@ class CollectiveWeightSync:
         self.sources: Dict[str, List[Entry]] = {}    # group name -> the source's plan
         self.source_rank: Dict[str, int] = {}        # group name -> the publishing learner's rank
         self._learners = None
+        self._stale = False      # a sync failed: form the groups afresh (leaving the old ones first)
         self.fallbacks = 0
         self.last_seconds = 0.0
 
@@ -56,6 +53,10 @@ class CollectiveWeightSync:
         names = {rank: f"moe_rl_sync_{self.run_id}_g{self.generation}_s{rank}"
                  for rank, m in enumerate(manifests) if m}
         world = 1 + len(runner_ids)
+        # Recorded first, so that a formation that fails half-way is left like any other.
+        self.runner_ids, self._learners = list(runner_ids), group
+        self.sources = {g: manifests[rank] for rank, g in names.items()}
+        self.source_rank = {g: rank for rank, g in names.items()}
         deadline = time.monotonic() + self.s["timeout_s"]
         tag = self._runners_async(_runner_join, runner_ids, ranks={wid: 1 + i for i, wid in enumerate(runner_ids)},
                                   groups=list(names.values()), world_size=world, backend=self.s["backend"],
@@ -66,24 +67,24 @@ class CollectiveWeightSync:
         failed = [e for e in self._wait_runners(tag, len(runner_ids), deadline).values() if e is not None]
         if failed:
             raise RuntimeError(failed[0])
-        self.runner_ids, self._learners = list(runner_ids), group
-        self.sources = {g: manifests[rank] for rank, g in names.items()}
-        self.source_rank = {g: rank for rank, g in names.items()}
 
     def _dissolve(self) -> None:
         """Leave the current groups where the members still live (best effort: a dead one is gone)."""
         if not self.sources:
             return
         groups = list(self.sources)
-        try:
-            if self._learners is self.algo.learner_group:
-                for g, rank in self.source_rank.items():
-                    ray.get(self._learners.foreach_async(leave, ranks=[rank], groups=[g]), timeout=self.s["timeout_s"])
-            self.algo.env_runner_group.foreach_env_runner(lambda r: _runner_leave(r, groups),
-                                                          remote_worker_ids=self.runner_ids, local_env_runner=False)
-        except Exception as e:  # noqa: BLE001 - members that died took their groups with them
-            logger.debug("moe-rl: leaving the weight sync groups: %s", e)
-        self.sources, self.source_rank = {}, {}
+        calls = [lambda: self.algo.env_runner_group.foreach_env_runner(
+            lambda r: leave(r, groups), remote_worker_ids=self.runner_ids, local_env_runner=False)]
+        if self._learners is self.algo.learner_group:
+            calls += [lambda g=g, rank=rank: ray.get(self._learners.foreach_async(leave, ranks=[rank], groups=[g]),
+                                                     timeout=self.s["timeout_s"])
+                      for g, rank in self.source_rank.items()]
+        for call in calls:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - members that died took their groups with them
+                logger.debug("moe-rl: leaving the weight sync groups: %s", e)
+        self.sources, self.source_rank, self._stale = {}, {}, False
 
     # --- one sync -----------------------------------------------------------------------------------
     def sync(self, version: int) -> bool:
@@ -92,7 +93,8 @@ class CollectiveWeightSync:
         ids = sorted(self.algo.env_runner_group.healthy_env_runner_ids())
         t0 = time.perf_counter()
         try:
-            if ids != self.runner_ids or self._learners is not self.algo.learner_group or not self.sources:
+            if self._stale or ids != self.runner_ids or self._learners is not self.algo.learner_group \
+                    or not self.sources:
                 self._form(ids)
             deadline = time.monotonic() + self.s["timeout_s"]
             tag = self._runners_async(receive, ids, sources=self.sources, version=version,
@@ -108,7 +110,7 @@ class CollectiveWeightSync:
                 raise RuntimeError(bad[0])
         except Exception as e:  # noqa: BLE001 - any failure falls back, named once in the log
             self.fallbacks += 1
-            self.sources = {}
+            self._stale = True
             logger.warning("moe-rl: collective weight sync of version %d failed (%s); loading it from the "
                            "object store", version, str(e).splitlines()[0][:300])
             return False
