@@ -217,9 +217,9 @@ class SyncGate:
         """Learners that hold the same tensor must hold the same bytes. A divergence is named and
         the learners are resynchronised from the publishing learner's copy (rank 0 for dense
         tensors, the first holder of each expert)."""
-        digests = self.group.replica_digests(self.digest_sample(self.algo.iteration))
-        if len(digests) < 2:
+        if self.algo.config.num_learners < 2:     # one learner: no replica to compare with
             return []
+        digests = self.group.replica_digests(self.digest_sample(self.algo.iteration))
         first: Dict[tuple, tuple] = {}
         diverged = []
         for rank, mods in enumerate(digests):
