@@ -86,12 +86,12 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
         return ray.get([w.apply.remote(fn, **kwargs) for w in self._workers])
 
     foreach_learner = foreach   # RLlib's name for it (RLlib's Algorithm calls it)
+    publishers = foreach        # every learner publishes its own part
 
     def foreach_async(self, fn: Callable, ranks: Optional[List[int]] = None, **kwargs) -> List[ray.ObjectRef]:
         """fn(learner, **kwargs) on the learners of `ranks` (all by default), without waiting:
         the collective weight sync runs both ends at once."""
         return [self._workers[r].apply.remote(fn, **kwargs) for r in (range(len(self)) if ranks is None else ranks)]
-    publishers = foreach        # every learner publishes its own part
 
     def memory_stats(self) -> List[Dict[str, float]]:
         return ray.get([w.memory_stats.remote() for w in self._workers])

@@ -28,7 +28,6 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
 from moe_rl.core.buckets import Entry, bucket_bytes_of, pack, plan_buckets, plan_id, unpack
 from moe_rl.core.digests import DTYPES
-from moe_rl.core.sharding import canonical_views
 from moe_rl.rllib.runner import runner_modules, synced_state
 
 GLOO_BACKEND = "MOE_RL_GLOO"
@@ -167,7 +166,7 @@ def receive(runner, sources: Dict[str, List[Entry]], version: int, bucket_bytes:
     landed under the announced version and plan (a failed load keeps the old version number, so
     the object store's load that follows replaces the whole copy)."""
     device = _device(backend)
-    views = {mid: canonical_views(synced_state(m, canonical=False)) for mid, m in runner_modules(runner).items()}
+    views = {mid: synced_state(m) for mid, m in runner_modules(runner).items()}
     offered = sorted((e[0], e[1]) for entries in sources.values() for e in entries)
     errors: List[str] = []
     if offered != sorted((mid, n) for mid, v in views.items() for n in v):   # strict, as the object store's load

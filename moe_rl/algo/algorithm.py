@@ -369,9 +369,10 @@ class MoEPPO(PPO):
         self.synced_digests: dict = {}
         self._pending_faults: list = []   # test hooks (moe_rl.algo.faults.inject)
         self.sync_gate = None
-        self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
         sync = validate_weight_sync(self.config.weight_sync_settings)
         self.weight_sync = CollectiveWeightSync(self, sync) if sync["transport"] == "collective" else None
+        if settings["enabled"] or self.weight_sync is not None:   # what the digests and the wire cast to
+            self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
         if settings["enabled"]:
             discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
                 lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()

@@ -25,7 +25,7 @@ from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss, replay_anc
 from moe_rl.core.metrics import health_summary
 from moe_rl.core.param_groups import param_group
 from moe_rl.core.routers import Router, balance_step
-from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
+from moe_rl.core.sharding import assemble_modules, canonical_views, stack_experts
 from moe_rl.core.stability import (
     StabilityToolkit,
     expert_dropout_at,
@@ -211,12 +211,12 @@ class MoEPPOTorchLearner(PPOTorchLearner):
 
     def published(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, torch.Tensor]]:
         """{module_id: {global name: tensor}}: this learner's part of the published weights, stacked
-        experts in their canonical per-expert form (moe_rl.core.sharding). A single learner (or one
-        data-parallel replica of many) publishes everything."""
-        return {mid: unstack_experts(self.local_state(mid, inference_only)) for mid in self.module.keys()}
+        experts in their canonical per-expert form (moe_rl.core.sharding), as views of its live
+        tensors. A single learner (or one data-parallel replica of many) publishes everything."""
+        return {mid: canonical_views(self.local_state(mid, inference_only)) for mid in self.module.keys()}
 
     def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, np.ndarray]]:
-        """published() as numpy copies (the object-store sync, checkpoints, the checks)."""
+        """published() as numpy (sharing a CPU tensor's memory: ray.put and checkpoints copy it)."""
         return {mid: {k: v.detach().cpu().numpy() for k, v in state.items()}
                 for mid, state in self.published(inference_only, everything).items()}
 
@@ -262,7 +262,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         """Load published shards (every learner's, module-keyed, global names), strictly: the
         assembled keys must be exactly this module's published keys."""
         local = {mid: self.local_state(mid, inference_only) for mid in self.module.keys()}
-        full = assemble_modules(shards, {mid: unstack_experts(state).keys() for mid, state in local.items()})
+        full = assemble_modules(shards, {mid: canonical_views(state).keys() for mid, state in local.items()})
         for mid, state in full.items():
             with torch.no_grad():
                 for k, v in stack_experts(state, local[mid].keys()).items():

@@ -14,7 +14,7 @@ from ray.rllib.core.rl_module.multi_rl_module import MultiRLModule
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from moe_rl.core.digests import Sample, state_digests, state_dtypes
-from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
+from moe_rl.core.sharding import assemble_modules, canonical_views, stack_experts
 
 
 def runner_modules(runner) -> Dict[str, Any]:
@@ -29,10 +29,11 @@ def synced_state(module, canonical: bool = True) -> Dict[str, Any]:
     """The part of a rollout copy's state the weight sync provides: everything but the module's
     non-inference attributes (RLlib's default PPO module keeps its value function on the rollout
     side; the learners publish the inference-only state). canonical: stacked experts as their
-    per-expert entries, the form the learners publish and digest."""
+    per-expert entries, the form the learners publish and digest, as views of the copy's own
+    tensors (no copy; a collective sync receives into them)."""
     skip = tuple(module.get_non_inference_attributes()) if isinstance(module, InferenceOnlyAPI) else ()
     state = {k: v for k, v in module.state_dict().items() if not (skip and k.split(".")[0] in skip)}
-    return unstack_experts(state) if canonical else state
+    return canonical_views(state) if canonical else state
 
 
 def load_shards_into_runner(runner, shard_refs: List[ray.ObjectRef], version: int, force: bool = False) -> None:
