@@ -299,6 +299,20 @@ def test_health_summary_reports_worst_layer():
     assert total.item() == pytest.approx(0.01 * aux.item() + 0.001 * z.item())
 
 
+def test_health_grades_the_load_of_the_counts_given():
+    """The learner grades an update's load on the assignments of all its minibatches: one minibatch
+    that leaves an expert idle by chance is not 'danger' when the update as a whole is balanced,
+    and a dead expert over the whole update still is."""
+    one_minibatch = RoutingRecord(torch.tensor([[0], [1], [2], [0]]), torch.ones(4, 1), torch.zeros(4, 4))
+    assert health_summary([one_minibatch])["moe/health"] == 2              # expert 3 idle in this one
+    balanced = torch.tensor([100, 98, 103, 99])
+    s = health_summary([one_minibatch], [balanced])
+    assert s["moe/health"] == 0 and s["moe/active_experts"] == 4 and s["moe/cv"] < 0.05
+    assert s["moe/layer0/util/e3"] == pytest.approx(99 / 400)
+    dead = health_summary([one_minibatch], [torch.tensor([134, 133, 133, 0])])
+    assert dead["moe/health"] == 2 and dead["moe/min_util"] == 0 and dead["moe/active_experts"] == 3
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"num_experts": 0}, "num_experts"), ({"top_k": 0}, "top_k"), ({"top_k": 9}, "top_k"),
     ({"capacity_factor": 0.0}, "capacity_factor"), ({"capacity_factor": -1.0}, "capacity_factor"),

@@ -13,7 +13,7 @@ ln N (1.0 = uniform routing); the seeds' "entropy" snippet computed sum p log p,
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -92,9 +92,10 @@ def jaccard(a: torch.Tensor, b: torch.Tensor) -> float:
     return (inter / union).mean().item()
 
 
-def layer_health(record: RoutingRecord) -> Dict[str, float]:
-    """Scalar health metrics of one layer's routing record (the router's own choice)."""
-    out = balance_metrics(expert_counts(record.router_top_k, record.num_experts))
+def layer_health(record: RoutingRecord, counts: Optional[torch.Tensor] = None) -> Dict[str, float]:
+    """Scalar health metrics of one layer's routing record (the router's own choice). `counts`
+    ([N], e.g. summed over an update's minibatches) replaces the record's own for the load figures."""
+    out = balance_metrics(expert_counts(record.router_top_k, record.num_experts) if counts is None else counts)
     out.update(router_entropy(record.router_probs))
     # Under routing replay: the share of tokens whose own choice left the replayed experts.
     out["replay_divergence"] = flip_rate(record.top_k_indices, record.router_top_k)
@@ -106,9 +107,9 @@ WORST_OF = {"min_util": min, "max_util": max, "cv": max, "active_experts": min,
             "health": max, "router_entropy": min, "router_entropy_norm": min, "replay_divergence": max}
 
 
-def per_expert(record: RoutingRecord) -> Dict[str, float]:
+def per_expert(record: RoutingRecord, counts: Optional[torch.Tensor] = None) -> Dict[str, float]:
     """`util/e{j}` (share of the assignments), `logit_mean/e{j}`, `logit_std/e{j}` of one layer."""
-    counts = expert_counts(record.router_top_k, record.num_experts).double()
+    counts = (expert_counts(record.router_top_k, record.num_experts) if counts is None else counts).double()
     share = (counts / counts.sum().clamp_min(1)).tolist()
     stats = logit_stats(record.router_logits.detach())
     out = {f"util/e{j}": v for j, v in enumerate(share)}
@@ -117,16 +118,20 @@ def per_expert(record: RoutingRecord) -> Dict[str, float]:
     return out
 
 
-def health_summary(records: Iterable[RoutingRecord]) -> Dict[str, float]:
+def health_summary(records: Iterable[RoutingRecord],
+                   counts: Optional[Sequence[torch.Tensor]] = None) -> Dict[str, float]:
     """`moe/layer{i}/<metric>` for every layer (per expert too, up to PER_EXPERT_MAX experts) plus
-    `moe/<metric>` for the worst layer."""
+    `moe/<metric>` for the worst layer. `counts`: per layer, the assignments to grade the load on
+    (a whole update's; one minibatch of a few hundred tokens over dozens of experts leaves some
+    experts with a handful of tokens by chance, which the utilisation bands read as danger)."""
     records = list(records)
-    per_layer = [layer_health(r) for r in records]
+    counts = list(counts) if counts is not None else [None] * len(records)
+    per_layer = [layer_health(r, c) for r, c in zip(records, counts)]
     out = {}
-    for i, (m, r) in enumerate(zip(per_layer, records)):
+    for i, (m, r, c) in enumerate(zip(per_layer, records, counts)):
         out.update({f"moe/layer{i}/{k}": v for k, v in m.items()})
         if r.num_experts <= PER_EXPERT_MAX:
-            out.update({f"moe/layer{i}/{k}": v for k, v in per_expert(r).items()})
+            out.update({f"moe/layer{i}/{k}": v for k, v in per_expert(r, c).items()})
     for key, worst in WORST_OF.items():
         out[f"moe/{key}"] = worst(m[key] for m in per_layer)
     return out

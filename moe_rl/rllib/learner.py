@@ -22,7 +22,7 @@ from moe_rl.core.balance import AdaptiveBalance
 from moe_rl.core.correction import active, correct, resolve_correction, sequence_ids
 from moe_rl.core.digests import Sample, state_digests
 from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss, replay_anchor_loss
-from moe_rl.core.metrics import health_summary
+from moe_rl.core.metrics import expert_counts, health_summary
 from moe_rl.core.param_groups import param_group
 from moe_rl.core.routers import Router, balance_step
 from moe_rl.core.sharding import assemble_modules, canonical_views, stack_experts
@@ -46,6 +46,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
     def build(self) -> None:
         self._stability: Dict[str, StabilityToolkit] = {}
         self._last_routing: Dict[str, list] = {}
+        self._update_counts: Dict[str, List[torch.Tensor]] = {}   # per layer, the update's assignments
         self._balance: Dict[str, AdaptiveBalance] = {}   # modules with moe.balance: adaptive
         # fn(learner, module_id), run on the parameters' .grad before the stability toolkit:
         # custom gradient surgery, or fault injection in tests.
@@ -121,12 +122,14 @@ class MoEPPOTorchLearner(PPOTorchLearner):
 
     def after_gradient_based_update(self, *, timesteps) -> None:
         """Once per update, not per minibatch: the toolkit's last figures (group norms, LRs,
-        skipped steps) and the health metrics of the last minibatch's routing."""
+        skipped steps) and the health metrics: the load over the whole update's minibatches,
+        entropy and logit statistics of the last minibatch's routing."""
         super().after_gradient_based_update(timesteps=timesteps)
         for module_id, toolkit in self._stability.items():
             stats = dict(toolkit.last_stats)
             if self._last_routing.get(module_id):
-                stats.update(health_summary(self._last_routing.pop(module_id)))
+                stats.update(health_summary(self._last_routing.pop(module_id),
+                                            self._update_counts.pop(module_id, None)))
             self.metrics.log_dict(stats, key=module_id, window=1)
 
     def get_state(self, *args, **kwargs):
@@ -168,8 +171,12 @@ class MoEPPOTorchLearner(PPOTorchLearner):
                     else s["aux_loss_coef"])
         extra, aux, z = moe_aux_losses(records, aux_coef, s["z_loss_coef"])
         # window=1 like RLlib's own PPO loss stats: the values of the last minibatch. The health
-        # metrics (dozens of keys) are computed once per update from the last minibatch's routing.
+        # metrics (dozens of keys) are computed once per update: the load from every minibatch's
+        # assignments (summed here), the rest from the last minibatch's routing.
         self._last_routing[module_id] = [r.detach() for r in records]
+        counts = [expert_counts(r.router_top_k, r.num_experts) for r in records]
+        sums = self._update_counts.get(module_id)
+        self._update_counts[module_id] = counts if sums is None else [a + b for a, b in zip(sums, counts)]
         stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "aux_loss_coef": aux_coef}
         if s["replay_anchor_coef"] > 0 and replays_routing(s):
             anchor = replay_anchor_loss(records)
