@@ -72,7 +72,9 @@ SETTINGS = {
 
 
 def _lr_schedule(group: str, spec):
-    return lambda moe, stab, lr: stab.setdefault("lr_schedules", {}).__setitem__(group, spec(lr))
+    def apply(moe, stab, lr):
+        stab.setdefault("lr_schedules", {})[group] = spec(lr)
+    return apply
 
 
 # Each piece edits the arm's (moe, stability) settings; lr is the setting's base LR.

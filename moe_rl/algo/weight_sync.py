@@ -30,6 +30,14 @@ def _runner_join(runner, ranks: Dict[int, int], groups: List[str], world_size: i
     return None
 
 
+def _best_effort(fn, *args, **kwargs) -> None:
+    """Each member leaves on its own: one that died took its groups with it, the others still leave."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("moe-rl: leaving the weight sync groups: %s", e)
+
+
 class CollectiveWeightSync:
     def __init__(self, algo, settings: Dict[str, Any]):
         self.algo, self.s = algo, settings
@@ -73,17 +81,12 @@ class CollectiveWeightSync:
         if not self.sources:
             return
         groups = list(self.sources)
-        calls = [lambda: self.algo.env_runner_group.foreach_env_runner(
-            lambda r: leave(r, groups), remote_worker_ids=self.runner_ids, local_env_runner=False)]
+        _best_effort(self.algo.env_runner_group.foreach_env_runner, lambda r: leave(r, groups),
+                     remote_worker_ids=self.runner_ids, local_env_runner=False)
         if self._learners is self.algo.learner_group:
-            calls += [lambda g=g, rank=rank: ray.get(self._learners.foreach_async(leave, ranks=[rank], groups=[g]),
-                                                     timeout=self.s["timeout_s"])
-                      for g, rank in self.source_rank.items()]
-        for call in calls:
-            try:
-                call()
-            except Exception as e:  # noqa: BLE001 - members that died took their groups with them
-                logger.debug("moe-rl: leaving the weight sync groups: %s", e)
+            for g, rank in self.source_rank.items():
+                _best_effort(lambda: ray.get(self._learners.foreach_async(leave, ranks=[rank], groups=[g]),
+                                             timeout=self.s["timeout_s"]))
         self.sources, self.source_rank, self._stale = {}, {}, False
 
     # --- one sync -----------------------------------------------------------------------------------
