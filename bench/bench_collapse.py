@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET, COLLAPSE_FROM, COLLAPSE_SHARE = 0.8, 0.5, 0.6
 HARSH = ["training.lr=0.003", "training.train_batch_size_per_learner=1000", "stop_return=null"]
 SOURCES = {"capacity": ["moe.capacity_factor=1.0", "moe.routing_replay=false"],
-           "bf16": ["moe.inference_dtype=bf16"]}
+           "bf16": ["moe.inference_dtype=bf16", "moe.routing_replay=false"]}
 ARMS = {
     "none": [],
     "tis": ["consistency.correction.preset=token_is"],

@@ -1,7 +1,7 @@
 """Routing consistency and routing replay on the quickstart (CartPole, 8 experts top-2, fp32 copy).
 
-    .venv/bin/python bench/bench_routing.py [--arms default,r3,sinkhorn,reinforce,capacity,bias,r3_aux0]
-        [--seeds 0,1,2] [--iterations 8] [--json OUT]
+    .venv/bin/python bench/bench_routing.py [--arms default,r3,mismatched,bf16,bf16_r3,bf16_mismatched,...]
+        [--seeds 0,1,2] [--iterations 8] [--set KEY=VALUE ...] [--json OUT]
 
 Per arm and seed: the return at every iteration, the worst routing agreement and K3 of the
 consistency checks (rollout copy vs the learner at the same weights), the learner's CV and
@@ -27,6 +27,10 @@ ARMS = {
     "default": [],
     "r3": ["moe.routing_replay=true"],
     "r3_aux0": ["moe.routing_replay=true", "moe.aux_loss_coef=0.0"],
+    "mismatched": ["moe.routing_replay=mismatched"],
+    "bf16": ["moe.inference_dtype=bf16", "moe.routing_replay=false"],
+    "bf16_r3": ["moe.inference_dtype=bf16", "moe.routing_replay=true"],
+    "bf16_mismatched": ["moe.inference_dtype=bf16", "moe.routing_replay=mismatched"],
     "sinkhorn": ["moe.router=sinkhorn"],
     "reinforce": ["moe.router=reinforce"],
     "capacity": ["moe.capacity_factor=1.0"],
@@ -34,9 +38,9 @@ ARMS = {
 }
 
 
-def run(arm: str, seed: int, iterations: int):
+def run(arm: str, seed: int, iterations: int, overrides=()):
     cfg = apply_overrides(load_run_config(os.path.join(HERE, "configs/cartpole.yaml")),
-                          [*ARMS[arm], f"seed={seed}", "stop_return=null"])
+                          [*overrides, *ARMS[arm], f"seed={seed}", "stop_return=null"])
     algo = validate_run_config(cfg).build_algo()
     returns, rows = [], []
     try:
@@ -50,7 +54,8 @@ def run(arm: str, seed: int, iterations: int):
     return {"arm": arm, "seed": seed, "returns": returns,
             "min_routing_agreement": min(c["routing_agreement"] for c in checks),
             "max_k3": max(abs(c["k3"]) for c in checks),
-            "cv_end": rows[-1].get("moe/cv"), "replay_divergence_end": rows[-1].get("moe/replay_divergence")}
+            "cv_end": rows[-1].get("moe/cv"), "replay_divergence_end": rows[-1].get("moe/replay_divergence"),
+            "replayed_fraction": [r.get("replay/replayed_fraction") for r in rows]}
 
 
 def main():
@@ -58,6 +63,8 @@ def main():
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every arm, e.g. training.num_epochs=1")
     ap.add_argument("--json")
     args = ap.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -65,7 +72,7 @@ def main():
     try:
         for arm in args.arms.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
-                r = run(arm, seed, args.iterations)
+                r = run(arm, seed, args.iterations, args.set)
                 out.append(r)
                 print(f"{arm:10s} seed {seed}: returns {[round(x) for x in r['returns']]}  agreement >= "
                       f"{r['min_routing_agreement']:.3f}  K3 <= {r['max_k3']:.1e}  cv {r['cv_end']:.2f}  "

@@ -65,8 +65,10 @@ def local_head(*start_args, start_env=None):
            "PATH": bindir + os.pathsep + os.environ["PATH"]}
     ray_cli = shutil.which("ray", path=env["PATH"])
     dash = free_port()
+    # A port of its own for the job agent too: its default (52365) may be another Ray's on this host.
     subprocess.run([ray_cli, "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                    "--disable-usage-stats", *start_args], env={**env, **(start_env or {})},
+                    "--dashboard-agent-listen-port", str(free_port()), "--disable-usage-stats", *start_args],
+                   env={**env, **(start_env or {})},
                    check=True, capture_output=True, timeout=120)
     try:
         yield ray_cli, env, f"http://127.0.0.1:{dash}"

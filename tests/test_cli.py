@@ -42,6 +42,11 @@ def test_run_directory_is_complete(run_dir):
     assert "num_experts: 8" in config_text and "train_batch_size_per_learner: 500" in config_text
 
 
+def test_drift_study_refuses_a_run_that_is_not_a_token_policy(run_dir):
+    p = moe_rl("drift-study", "--checkpoint", str(run_dir), "--lengths", "16", timeout=120)
+    assert p.returncode != 0 and "--checkpoint: must be a single-agent run on moe_rl/TokenSequence-v0" in p.stderr
+
+
 def test_evaluate_loads_the_last_checkpoint(run_dir):
     p = moe_rl("evaluate", str(run_dir), "--episodes", "2", timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -58,6 +63,7 @@ def test_evaluate_loads_the_last_checkpoint(run_dir):
     (["train", "--num-learners", "1", "--ep-size", "2"], "moe.ep_size: must be"),
     (["train", "--config", "/nonexistent.yaml"], "--config: must be a readable YAML file"),
     (["evaluate", "/nonexistent-run"], "RUN_DIR: must be a moe-rl run directory"),
+    (["drift-study", "--checkpoint", "/nonexistent-run"], "--checkpoint: must be a moe-rl run directory"),
     (["report", "/nonexistent-run"], "RUN_DIR: must be a run directory"),
     (["train", "--output", "nosuchfs://bucket/run"], "output: cannot use the storage URI"),
     (["train", "--set", "wandb.mode=sometimes"], "wandb.mode: must be online, offline or disabled"),

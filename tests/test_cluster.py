@@ -63,7 +63,7 @@ def test_ray_job_submit_runs_the_quickstart(tmp_path):
     `ray stop`. The job must SUCCEED and leave a complete run directory."""
     with local_head("--port", str(free_port()), "--num-cpus", "4") as (ray_cli, env, address):
         out = tmp_path / "run"
-        for _ in range(5):   # the head's job agent may still be starting on a loaded machine
+        for _ in range(24):   # the head's job agent may still be starting on a loaded machine (up to 2 min)
             p = subprocess.run(
                 [ray_cli, "job", "submit", "--address", address, "--working-dir", ROOT, "--",
                  "moe-rl", "train", "--iterations", "2", "--output", str(out), "--set", "stop_return=null",

@@ -1,15 +1,21 @@
 """Drift estimators (pure torch) and the consistency actor + sync gate on real Ray / DeepSpeed."""
 import math
+import os
+import shutil
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 
 from moe_rl import MoEPPOConfig
 from moe_rl.algo.results import write_table
 from moe_rl.core.drift import drift_metrics, param_divergence, policy_kl, routing_agreement
 from moe_rl.core.gate import validate_consistency
 from moe_rl.core.settings import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --- estimators, hand-computed --------------------------------------------------------------------
 
@@ -148,13 +154,13 @@ def test_trainer_token_dropping_is_reported_as_mismatch(ray_local):
         algo.stop()
 
 
-@pytest.mark.parametrize("replay", [False, True])
+@pytest.mark.parametrize("replay", [False, True, "mismatched"])
 def test_second_expert_sampling_lowers_agreement_and_r3_restores_it(ray_local, replay):
     algo = config(trainer_second_expert_sampling=True, routing_replay=replay).build_algo()
     try:
         algo.train()
         row = last_row(algo)
-        if replay:
+        if replay:   # "mismatched": at the rollout's weights the trainer replays what differs
             assert row["routing_agreement"] == 1.0 and row["k3"] < 1e-6 and row["cause"] == ""
         else:
             assert row["routing_agreement"] < 0.9 and row["first_divergent_layer"] == 0
@@ -204,9 +210,10 @@ def test_wrong_expert_mapping_on_a_rollout_actor_is_named_and_repaired(ray_local
 
 @pytest.mark.parametrize("preset", ["token_is", "geo_rs_veto"])
 def test_rollout_correction_reweights_and_rejects_and_is_reported(ray_local, preset):
-    """A bf16 copy: the learner's old log-probs differ from the rollout's, the IS weights differ
-    from 1 but stay <= C, RS rejects some steps, and the same ledger measures the mismatch."""
-    algo = config(ep_size=1, inference_dtype="bf16").consistency(
+    """A bf16 copy, its routing flips not replayed: the learner's old log-probs differ from the
+    rollout's, the IS weights differ from 1 but stay <= C, RS rejects some steps, and the same
+    ledger measures the mismatch."""
+    algo = config(ep_size=1, inference_dtype="bf16", routing_replay=False).consistency(
         correction={"preset": preset, "rs_threshold": 1.0001}).build_algo()
     try:
         learner = algo.train()["learners"]["default_policy"]
@@ -255,3 +262,44 @@ def test_expert_dropout_is_not_mismatch(ray_local):
         assert all(r["routing_agreement"] == 1.0 and abs(r["k3"]) < 1e-6 for r in algo.sync_gate.rows)
     finally:
         algo.stop()
+
+
+def test_drift_study_measures_a_trained_checkpoint_at_a_longer_length(ray_local, tmp_path):
+    """`drift-study --checkpoint`: the run's own policy (relative positions, trained at 8 tokens)
+    goes into the learners and the rollout copy of a 24-token study, and is what they measure."""
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    from moe_rl.app.checkpoint import save_checkpoint
+    from moe_rl.app.drift_study import load_trained_policy, run_study, study_config, trained_policy
+    from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
+    from moe_rl.app.run_dir import RunDir
+    cfg = apply_overrides(load_run_config(os.path.join(ROOT, "configs/tokens_long.yaml")),
+                          ["env_config.seq_len=8", "moe.d_model=16", "moe.d_ff=16", "moe.num_experts=4",
+                           "training.train_batch_size_per_learner=64", "training.minibatch_size=32"])
+    config = validate_run_config(cfg)
+    algo = config.build_algo()
+    try:
+        algo.train()
+        run = RunDir(str(tmp_path / "run"), resolved(cfg, config))
+        save_checkpoint(algo, run.checkpoints, 1, run.resolved_config)
+        trained_state = algo.learner_group.module_state(inference_only=False)[DEFAULT_MODULE_ID]
+    finally:
+        algo.stop()
+    run_cfg, policy = trained_policy(str(tmp_path / "run"), [24])
+    assert policy and not any(k.startswith("vf") for k in policy)
+    study = study_config(24, "none", 0, run_cfg=run_cfg).build_algo()
+    try:
+        load_trained_policy(study, policy)
+        loaded = study.learner_group.module_state(inference_only=False)[DEFAULT_MODULE_ID]
+        assert all(np.array_equal(loaded[k], trained_state[k]) for k in policy)
+    finally:
+        study.stop()
+    rows = run_study([24], "none", [0], str(tmp_path / "study"), (run_cfg, policy))
+    assert rows[0]["routing_agreement"] == 1.0 and abs(rows[0]["k3"]) < 1e-9   # fp32 copy: no drift
+    assert 0.0 <= rows[0]["episode_return"] <= 1.0
+    # The same run with absolute (learned) positions could not run 24 tokens: refused up front.
+    shutil.copytree(tmp_path / "run", tmp_path / "learned")
+    (tmp_path / "learned" / "config.yaml").write_text(
+        yaml.safe_dump({**run_cfg, "moe": {**run_cfg["moe"], "positions": "learned", "max_seq_len": 16}}))
+    with pytest.raises(ConfigError, match="^--lengths: the run's policy has learned positions"):
+        trained_policy(str(tmp_path / "learned"), [24])

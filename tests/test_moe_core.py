@@ -8,7 +8,7 @@ from moe_rl.core.layer import DISPATCH_PATHS, MoELayer
 from moe_rl.core.losses import load_balancing_loss, moe_aux_losses, replay_anchor_loss, router_z_loss
 from moe_rl.core.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
 from moe_rl.core.routers import balance_step, plackett_luce_logp
-from moe_rl.core.routing import RoutingRecord, sinkhorn, sinkhorn_potentials
+from moe_rl.core.routing import OWN_CHOICE, RoutingRecord, layer_disagreement, sinkhorn, sinkhorn_potentials
 
 pytestmark = pytest.mark.pure
 
@@ -145,6 +145,24 @@ def test_replay_reproduces_output_and_keeps_router_gradient():
     y3.pow(2).sum().backward()
     assert layer.router.gate.weight.grad is not None and layer.router.gate.weight.grad.abs().sum() > 0
     assert torch.allclose(y3, naive_reference(layer, x, layer.router(x, replay_indices=forced)), atol=1e-5)
+
+
+def test_partial_replay_leaves_own_choice_rows_to_the_router():
+    """routing_replay "mismatched": OWN_CHOICE rows route as without replay, the others are forced."""
+    torch.manual_seed(3)
+    layer = MoELayer(8, 4, 2, d_ff=16)
+    x = torch.randn(10, 8)
+    y_own, own = layer(x)
+    forced = torch.tensor([[3, 2]]).expand(10, 2)
+    replay = torch.where(torch.arange(10)[:, None] % 2 == 0, torch.full_like(forced, OWN_CHOICE), forced)
+    y, rec = layer(x, replay_indices=replay)
+    assert torch.equal(rec.top_k_indices[::2], own.top_k_indices[::2]) and torch.equal(y[::2], y_own[::2])
+    assert torch.equal(rec.top_k_indices[1::2], forced[1::2])
+    assert torch.equal(rec.router_top_k, own.top_k_indices)
+    # Which rows a partial replay pins: the top-k *set* differs in a layer (order does not count).
+    recorded = torch.tensor([[[0, 1], [2, 3]], [[1, 0], [2, 3]], [[0, 1], [3, 1]]])
+    ours = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 1], [1, 2]]])
+    assert layer_disagreement(recorded, ours).tolist() == [[False, False], [False, False], [False, True]]
 
 
 def test_capacity_factor_drops_overflow_tokens():

@@ -97,6 +97,34 @@ def test_bf16_inference_copy_drifts_measurably(ray_local):
         algo.stop()
 
 
+@pytest.mark.parametrize("moe, mode", [
+    ({}, None), ({"inference_dtype": "bf16"}, "mismatched"), ({"router": "reinforce"}, "full"),
+    ({"capacity_factor": 1.0, "inference_dtype": "bf16"}, "full"), ({"routing_replay": True}, "full"),
+    ({"routing_replay": False, "inference_dtype": "bf16"}, None), ({"routing_replay": "mismatched"}, "mismatched")])
+def test_routing_replay_auto_resolves_by_what_makes_routing_differ(moe, mode):
+    from moe_rl.core.settings import MOE_DEFAULTS
+    from moe_rl.rllib.rl_module import replay_mode
+    assert replay_mode({**MOE_DEFAULTS, **moe}) == mode
+
+
+def test_mismatched_replay_pins_only_flipped_tokens_and_costs_nothing_in_fp32(ray_local):
+    """routing_replay "mismatched": in fp32 nothing differs at the rollout's weights, so training
+    is the no-replay run to the last digit; a bf16 copy flips some tokens, and only those replay."""
+    runs = {}
+    for name, moe in {"off": {"routing_replay": False}, "mismatched": {"routing_replay": "mismatched"},
+                      "bf16": {"inference_dtype": "bf16"}}.items():   # auto: mismatched
+        algo = small_config(**moe).build_algo()
+        try:
+            results = [algo.train() for _ in range(2)]
+        finally:
+            algo.stop()
+        runs[name] = ([r["env_runners"]["episode_return_mean"] for r in results],
+                      [r["learners"]["default_policy"].get("replay/replayed_fraction") for r in results])
+    assert runs["mismatched"][0] == runs["off"][0]
+    assert runs["mismatched"][1] == [0.0, 0.0] and runs["off"][1] == [None, None]
+    assert all(0.0 < f < 0.5 for f in runs["bf16"][1]), runs["bf16"]
+
+
 def test_checkpoint_round_trip(trained, tmp_path):
     algo, _ = trained
     path = algo.save_to_path(str(tmp_path / "ckpt"))
@@ -110,6 +138,8 @@ def test_checkpoint_round_trip(trained, tmp_path):
 @pytest.mark.parametrize("kwargs, field", [
     ({"top_k": 9}, "moe.top_k"), ({"router": "magic"}, "moe.router"), ({"ep_size": 3}, "moe.ep_size"),
     ({"inference_dtype": "fp8"}, "moe.inference_dtype"), ({"capacity_factor": 0}, "moe.capacity_factor"),
+    ({"routing_replay": "some"}, "moe.routing_replay"), ({"positions": "rotary"}, "moe.positions"),
+    ({"routing_replay": "mismatched", "router": "reinforce"}, "moe.routing_replay"),
 ])
 def test_validate_rejects_bad_moe_settings(kwargs, field):
     with pytest.raises(ConfigError, match=f"^{field}: must be"):

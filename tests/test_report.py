@@ -180,3 +180,14 @@ def test_headless_screenshot(tmp_path):
     assert png.is_file() and png.stat().st_size > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+
+def test_line_plot_log_y_spans_orders_of_magnitude_and_floors_zero():
+    """K3 of the drift study spans 1e-15 (fp32) to 1e-3 (capacity) and can be exactly 0."""
+    from moe_rl.app.plots import line_plot_svg
+    svg = line_plot_svg({"fp32": [(64, 0.0), (128, 3e-15)], "capacity": [(64, 1e-3), (128, 2e-3)]}, "K3", "length",
+                        "K3", log_x=True, log_y_floor=1e-16)
+    ys = [float(y) for y in re.findall(r'<circle cx="[\d.]+" cy="([\d.-]+)"', svg)]
+    assert len(ys) == 4 and all(30 <= y <= 320 - 45 for y in ys)      # every point inside the axes
+    assert ys[0] > ys[1] > ys[2] > ys[3]                              # svg y grows downwards
+    assert ">1e-16<" in svg and ">1e-1<" in svg                       # whole decades, floor to top

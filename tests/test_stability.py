@@ -311,6 +311,20 @@ def test_health_breaches_alert_when_they_start_and_memory_growth_is_caught():
     assert [k for _, m, k in got if m == "learner/rss_mb/rank0"] == ["memory"]
 
 
+def test_memory_watch_ignores_the_warm_up_and_peaks_but_catches_a_rising_floor():
+    """The driver-hosted learner of a healthy token run (configs/tokens_long.yaml, 2026-12-01): RSS
+    grew 1.3 -> 1.9 GB over the first iterations and swung by 0.5 GB after (it alerted twice
+    before); the same readings plus a 40 MB/iteration leak alert once."""
+    healthy = [1317, 1668, 1814, 1929, 1877, 1981, 1951, 1909, 2000, 2166, 2065, 1965, 1965, 1966, 1505, 1693,
+               1822, 1860, 1869, 1889, 1899, 1901, 1901, 1902, 1911, 1912]
+    for leak, expected in ((0, []), (40, ["memory"])):
+        d = detector()
+        alerts = []
+        for row, rss in zip(clean_rows(len(healthy)), healthy):
+            alerts += d.observe({**row, "learner/rss_mb/rank0": rss + leak * row["iteration"]})
+        assert [a["kind"] for a in alerts] == expected
+
+
 # --- settings ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("settings, field", [
     ({"grad_clip": -1}, "stability.grad_clip"),
@@ -352,6 +366,27 @@ def test_activation_checkpointing_gives_the_same_outputs_and_gradients(token_pol
         grads.append({n: p.grad.clone() for n, p in trunk.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
+@pytest.mark.parametrize("positions,length", [("learned", 12), ("relative", 40)])
+def test_token_trunk_features_do_not_depend_on_the_rest_of_the_batch(positions, length):
+    """Each row's features are what it gives alone (the relative path drops the padding mask:
+    trailing padding must stay hidden by causality); relative positions run past max_seq_len."""
+    from moe_rl.core.policy import MoETransformerTrunk
+    from moe_rl.core.settings import MOE_DEFAULTS
+    torch.manual_seed(0)
+    s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "max_seq_len": 12, "positions": positions}
+    trunk = MoETransformerTrunk(5, s).eval()
+    position = torch.tensor([3, length - 1, 7])
+    tokens = torch.randint(0, 5, (3, length)).masked_fill(torch.arange(length)[None] >= position[:, None], -1)
+    with torch.no_grad():
+        together, _ = trunk({"tokens": tokens, "position": position})
+        alone = torch.cat([trunk({"tokens": tokens[i:i + 1], "position": position[i:i + 1]})[0] for i in range(3)])
+    assert torch.allclose(together, alone, atol=1e-5)
+    if positions == "relative":
+        assert trunk.pos is None
+        trunk({"tokens": tokens, "position": position})[0].pow(2).sum().backward()
+        assert trunk.attns[0].rel_bias.grad.abs().sum() > 0   # offsets reach the loss
 
 
 def test_reinforce_router_records_survive_token_selection():

@@ -108,6 +108,7 @@ class MoEPPOConfig(PPOConfig):
         vf_hiddens: List[int] = NotProvided,
         task_slice: Optional[List[int]] = NotProvided,
         max_seq_len: int = NotProvided,
+        positions: str = NotProvided,
         num_heads: int = NotProvided,
         **unknown,
     ) -> "MoEPPOConfig":
@@ -140,8 +141,11 @@ class MoEPPOConfig(PPOConfig):
             policy_head: linear | dual (parallel linear and MLP branches).
             inference_dtype: fp32 | bf16: numeric setup of the rollout (inference) copy.
             ep_size: expert-parallel degree of the DeepSpeed learner group.
-            routing_replay: R3, the learner replays the rollout's recorded top-k; auto: where the
-                routing is not a function of the token alone (reinforce, capacity).
+            routing_replay: R3, the learner replays the rollout's recorded top-k. true: all of
+                it; mismatched: only where the trainer, at the rollout's weights, would route a
+                token otherwise (a bf16 flip), fixed for the update, the rest following the
+                router as it learns; auto: true where the routing is not a function of the token
+                alone (reinforce, capacity), mismatched under a bf16 rollout copy, else off.
             replay_anchor_coef: under routing replay, weight of -log(router mass on the replayed
                 experts), which keeps the router's own choice on the experts PPO trains
                 (moe_rl.core.losses.replay_anchor_loss).
@@ -150,7 +154,10 @@ class MoEPPOConfig(PPOConfig):
             trainer_random_token_selection: DeepSpeed learner only: random survivors at capacity.
             vf_hiddens: value network widths (kept outside the MoE).
             task_slice: [start, num_tasks]: a one-hot task id inside vector observations (router "task").
-            max_seq_len: token-sequence policies: context length of the transformer.
+            max_seq_len: token-sequence policies: context length of the transformer; under
+                positions "relative", the longest distance with an attention bias of its own.
+            positions: token-sequence policies: learned (absolute position embeddings, sequences
+                up to max_seq_len) | relative (a learned attention bias per distance; any length).
             num_heads: token-sequence policies: attention heads.
         """
         return self._set_section("moe", self.moe_settings, MOE_DEFAULTS, locals())

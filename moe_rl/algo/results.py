@@ -31,7 +31,7 @@ from ray.rllib.core import ALL_MODULES, DEFAULT_MODULE_ID
 from moe_rl.core.metrics import GRADES
 
 LEARNER_KEYS = ("policy_loss", "vf_loss", "entropy", "mean_kl_loss", "aux_loss", "z_loss")
-LEARNER_PREFIXES = ("moe/", "stability/", "correction/", "reinforce_router_loss")
+LEARNER_PREFIXES = ("moe/", "stability/", "correction/", "reinforce_router_loss", "replay/", "replay_anchor_loss")
 
 
 def _float(v) -> float:

@@ -5,7 +5,7 @@
     moe-rl train --resume RUN_DIR [--iterations N] [--set key=value ...]
     moe-rl evaluate RUN_DIR [--episodes N]
     moe-rl report RUN_DIR                     # RUN_DIR/report.html
-    moe-rl drift-study [--source S] [--lengths L,...]
+    moe-rl drift-study [--source S] [--lengths L,...] [--checkpoint RUN_DIR]
 
 Exit codes: 0 done, 2 bad flag / bad config value / unusable output directory, also a checkpoint
 that cannot be written (one line on stderr naming the field or path), 1 anything that failed while
@@ -36,7 +36,7 @@ from moe_rl.algo.resources import (
 from moe_rl.algo.results import metrics_row
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.app import checkpoint as ck
-from moe_rl.app.drift_study import SOURCES, run_study
+from moe_rl.app.drift_study import SOURCES, run_study, trained_policy
 from moe_rl.app.evaluate import evaluate_run
 from moe_rl.app.report import write_report
 from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
@@ -63,9 +63,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="continue RUN_DIR from its newest good checkpoint with its config.yaml (flags and "
                         "--set may extend it, e.g. --iterations, but not change the model)")
     d = sub.add_parser("drift-study", help="K3 between rollout copy and trainer by sequence length")
-    d.add_argument("--source", default="bf16", help="mismatch source: none, bf16, capacity, second_expert")
+    d.add_argument("--source", default="bf16", help=f"mismatch source: {', '.join(SOURCES)}")
     d.add_argument("--lengths", default="64,128,256,512,1024", help="comma-separated sequence lengths (8..1024)")
     d.add_argument("--seeds", default="0", help="comma-separated seeds (repeats per length)")
+    d.add_argument("--checkpoint", metavar="RUN_DIR",
+                   help="measure the trained policy of a token-sequence run (its newest good checkpoint) "
+                        "instead of an untrained one")
     d.add_argument("--output", default="runs/drift-study")
     r = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained plots of a run)")
     r.add_argument("run_dir")
@@ -363,9 +366,13 @@ def cmd_drift_study(args) -> int:
         return _fail(f"--lengths/--seeds: must be comma-separated ints, got {args.lengths!r} / {args.seeds!r}")
     if not all(8 <= L <= 1024 for L in lengths):
         return _fail(f"--lengths: must be in [8, 1024], got {lengths}")
+    try:
+        trained = trained_policy(args.checkpoint, lengths) if args.checkpoint else None
+    except ConfigError as e:
+        return _fail(str(e))
     started = ensure_ray(4)  # a study config needs at most 1 runner + 2 learners
     try:
-        run_study(lengths, args.source, seeds, args.output)
+        run_study(lengths, args.source, seeds, args.output, trained)
     finally:
         if started:
             ray.shutdown()

@@ -32,17 +32,22 @@ def greedy_action(module, obs, action_space):
     return np.clip(mean, action_space.low, action_space.high)
 
 
-def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
+def load_run(run_dir: str, flag: str = "RUN_DIR") -> Tuple[dict, str]:
+    """A run directory's config.yaml and its newest good checkpoint (ConfigError naming `flag`)."""
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
-        raise ConfigError(f"RUN_DIR: must be a moe-rl run directory with config.yaml, got {run_dir!r}")
-    if episodes < 1:
-        raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
+        raise ConfigError(f"{flag}: must be a moe-rl run directory with config.yaml, got {run_dir!r}")
     ckpt = latest_good_checkpoint(run_dir)  # verified against its manifest; bad ones are reported
     if ckpt is None:
-        raise ConfigError(f"RUN_DIR: {run_dir!r} has no good checkpoint under checkpoints/")
+        raise ConfigError(f"{flag}: {run_dir!r} has no good checkpoint under checkpoints/")
     with open(cfg_path) as f:
-        cfg = yaml.safe_load(f)
+        return yaml.safe_load(f), ckpt
+
+
+def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
+    if episodes < 1:
+        raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
+    cfg, ckpt = load_run(run_dir)
     seed = int(cfg.get("seed", 0)) + 10_000
     if cfg.get("multi_agent"):
         return _evaluate_multi_agent(cfg, ckpt, episodes, seed)

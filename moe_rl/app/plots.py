@@ -15,16 +15,28 @@ def _nan(v) -> bool:
 
 
 def line_plot_svg(series: dict[str, Sequence[tuple]], title: str, xlabel: str, ylabel: str,
-                  width: int = 560, height: int = 320, log_x: bool = False) -> str:
-    """series: name -> [(x, y), ...]. Returns an SVG document."""
+                  width: int = 560, height: int = 320, log_x: bool = False, log_y_floor: float = 0.0) -> str:
+    """series: name -> [(x, y), ...]. Returns an SVG document. log_y_floor > 0: a log10 y axis,
+    values below the floor drawn at it (K3 spans 1e-15 to 1e-2 between mismatch sources)."""
+    if log_y_floor > 0:
+        series = {k: [(x, math.log10(max(y, log_y_floor))) for x, y in s if not _nan(y)] for k, s in series.items()}
     pts = [(x, y) for s in series.values() for x, y in s if not _nan(y)]
     if not pts:
         return f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="40"><text x="8" y="24">{escape(title)}: no data</text></svg>'
     fx = (lambda v: math.log2(v)) if log_x else (lambda v: v)
     x0, x1 = min(fx(p[0]) for p in pts), max(fx(p[0]) for p in pts)
-    y0, y1 = min(0.0, min(p[1] for p in pts)), max(p[1] for p in pts)
+    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+    if log_y_floor > 0:   # at most 7 ticks on whole decades, the axis ending on one
+        y0, y1 = math.floor(y0), math.ceil(y1)
+        step = max(1, -(-(y1 - y0) // 6))
+        y1 = y0 + step * max(1, -(-(y1 - y0) // step))
+        yticks = list(range(y0, y1 + 1, step))
+    else:
+        y0 = min(0.0, y0)
+        yticks = None
     x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
-    L, R, T, B = 70, 20, 30, 45
+    # The legend sits right of the plot area, clear of the lines.
+    L, R, T, B = 70, 20 + 7 * max(len(str(name)) for name in series), 30, 45
     sx = lambda v: L + (fx(v) - x0) / (x1 - x0) * (width - L - R)
     sy = lambda v: height - B - (v - y0) / (y1 - y0) * (height - T - B)
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
@@ -36,16 +48,16 @@ def line_plot_svg(series: dict[str, Sequence[tuple]], title: str, xlabel: str, y
            f'<text x="14" y="{height / 2}" transform="rotate(-90 14 {height / 2})" text-anchor="middle">{escape(ylabel)}</text>']
     for v in sorted({p[0] for p in pts}):
         out.append(f'<text x="{sx(v):.1f}" y="{height - B + 14}" text-anchor="middle">{v:g}</text>')
-    for i in range(5):
-        v = y0 + (y1 - y0) * i / 4
-        out.append(f'<text x="{L - 4}" y="{sy(v) + 4:.1f}" text-anchor="end">{v:.3g}</text>')
+    for v in yticks if yticks is not None else [y0 + (y1 - y0) * i / 4 for i in range(5)]:
+        label = f"1e{v}" if yticks is not None else f"{v:.3g}"
+        out.append(f'<text x="{L - 4}" y="{sy(v) + 4:.1f}" text-anchor="end">{label}</text>')
     for i, (name, s) in enumerate(series.items()):
         c = colors[i % len(colors)]
         s = [(x, y) for x, y in s if not _nan(y)]
         out.append('<polyline fill="none" stroke="{}" stroke-width="2" points="{}"/>'.format(
             c, " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)))
         out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{c}"/>' for x, y in s]
-        out.append(f'<text x="{width - R - 4}" y="{T + 14 * (i + 1)}" text-anchor="end" fill="{c}">{escape(name)}</text>')
+        out.append(f'<text x="{width - R + 8}" y="{T + 14 * (i + 1)}" fill="{c}">{escape(name)}</text>')
     out.append("</svg>")
     return "\n".join(out)
 

@@ -11,7 +11,8 @@ A rolling window (default 100 iterations) per metric. Three kinds of check:
     oscillation (the margin-aware probe-set flip rate). Breaches are judged only after
     `health_warmup` iterations (the run's own history says nothing before), and alert when they
     start, not on every iteration they last.
-  - memory: an actor's RSS growing by more than `rss_growth_mb` over the window (leak watch).
+  - memory: an actor's RSS floor (the least of its last 3 readings) rising by more than
+    `rss_growth_mb` over the window, after the warm-up (leak watch).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ WATCHED = {"episode_return_mean": ("drop", 0.0), "policy_loss": ("spike", 0.5), 
 # large (a healthy quickstart: aux_loss 2.004 -> 2.054, z = 6.4, at iteration 17).
 RELATIVE_FLOOR = 0.1
 RSS_KEY = re.compile(r"(^|/)rss_mb(/|$)")
+RSS_RECENT = 3
 
 
 def rss_mb() -> float:
@@ -116,7 +118,7 @@ class AnomalyDetector:
         if _finite(skipped):
             self._last_skipped = float(skipped)
         for key, v in row.items():
-            if RSS_KEY.search(key) and _finite(v):
+            if judged and RSS_KEY.search(key) and _finite(v):
                 self._check_rss(key, float(v), alert)
         return alerts
 
@@ -142,9 +144,12 @@ class AnomalyDetector:
         hist.append(change)
 
     def _check_rss(self, key, v, alert) -> None:
+        """A leak raises the floor: the least of the last RSS_RECENT readings against the window's
+        least. A peak does not (a healthy token run's learner swung 1.7 -> 2.2 -> 1.7 GB as its
+        activations changed size), nor do the warm-up iterations that allocate the working set."""
         hist = self._rss.setdefault(key, deque(maxlen=self.window))
         hist.append(v)
-        growth = v - min(hist)
+        growth = min(list(hist)[-RSS_RECENT:]) - min(hist)
         grown = len(hist) >= self.s["anomaly_min_history"] and growth > self.s["rss_growth_mb"]
         if grown and not self._breached.get(key, False):
             alert(key, "memory", v, f"{key} grew {growth:.0f} MB over the last {len(hist)} iterations")

@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from moe_rl.core.errors import ConfigError, need
-from moe_rl.core.routing import decode_top_k
+from moe_rl.core.routing import layer_disagreement
 
 SAFETY = 20.0   # log-ratio clamp before exp: weights stay finite whatever the mismatch
 IS_LEVELS = (None, "token", "sequence")
@@ -193,9 +193,7 @@ def routing_disagreement(rollout_top_k: torch.Tensor, trainer_top_k: torch.Tenso
                          share: float) -> torch.Tensor:
     """[N] bool: the token's top-k expert set differs between the rollout ([N, L, k], as recorded)
     and the trainer's own choice ([N, L, k]) in any layer (`any`) or in more than `share` of them."""
-    a = decode_top_k(rollout_top_k.long())[0].sort(-1).values
-    b = trainer_top_k.long().sort(-1).values
-    differs = (a != b).any(-1)                       # [N, L]
+    differs = layer_disagreement(rollout_top_k, trainer_top_k)   # [N, L]
     if rule == "any":
         return differs.any(-1)
     return differs.double().mean(-1) > share

@@ -48,7 +48,8 @@ class MoELayer(nn.Module):
         dispatch: auto|dense|gathered|grouped|sorted (moe_rl.core.experts).
     forward(x [..., d], replay_indices [T, k] | None, task_ids [...] | None, explore) -> (y [..., d], RoutingRecord)
         replay_indices: a recorded top-k (RoutingRecord.encoded_top_k: dropped assignments negative)
-        to dispatch instead of the router's own choice; explore: let a sampling router sample.
+        to dispatch instead of the router's own choice (rows of OWN_CHOICE keep the router's own);
+        explore: let a sampling router sample.
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int = 2, d_ff: Optional[int] = None, *,

@@ -80,17 +80,29 @@ class MoEMLPTrunk(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d: int, heads: int):
+    """Causal multi-head attention. relative_window: a learned bias per head and distance
+    (distances from the window on share its last entry), so positions enter only as offsets and a
+    policy trained on short sequences runs on any length."""
+
+    def __init__(self, d: int, heads: int, relative_window: Optional[int] = None):
         super().__init__()
         self.heads = heads
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.rel_bias = nn.Parameter(torch.zeros(heads, relative_window)) if relative_window else None
 
     def forward(self, x, pad_mask):
         B, T, d = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        mask = causal & pad_mask[:, None, None, :]       # [B, 1, T, T]: attend to earlier real tokens
-        mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)  # a row is never fully masked
+        if self.rel_bias is not None:
+            # Padding only trails the history, so causality already hides it from every real
+            # row: one [1, H, T, T] bias serves the batch (no [B, H, T, T] mask at long lengths).
+            i = torch.arange(T, device=x.device)
+            dist = (i[:, None] - i[None, :]).clamp(0, self.rel_bias.shape[1] - 1)
+            mask = self.rel_bias[:, dist].masked_fill(~causal, float("-inf"))[None]
+        else:
+            mask = causal & pad_mask[:, None, None, :]       # [B, 1, T, T]: attend to earlier real tokens
+            mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)  # a row is never fully masked
         y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
@@ -102,10 +114,12 @@ class MoETransformerTrunk(nn.Module):
     def __init__(self, vocab_size: int, s: dict):
         super().__init__()
         d, self.max_len = s["d_model"], s["max_seq_len"]
+        relative = s["positions"] == "relative"
         self.tok = nn.Embedding(vocab_size + 2, d)        # 0 pad, 1 BOS, 2.. tokens
-        self.pos = nn.Embedding(self.max_len + 1, d)
+        self.pos = None if relative else nn.Embedding(self.max_len + 1, d)
         self.attn_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(s["num_layers"]))
-        self.attns = nn.ModuleList(CausalSelfAttention(d, s["num_heads"]) for _ in range(s["num_layers"]))
+        self.attns = nn.ModuleList(CausalSelfAttention(d, s["num_heads"], self.max_len if relative else None)
+                                   for _ in range(s["num_layers"]))
         self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s["num_layers"]))
         self.final_norm = nn.LayerNorm(d)
         self.checkpointing = s["activation_checkpointing"]
@@ -139,7 +153,9 @@ class MoETransformerTrunk(nn.Module):
         L = int(position.max().item()) + 1 if B else 1
         seq = seq[:, :L]
         pad = torch.arange(L, device=seq.device)[None, :] <= position[:, None]
-        h = self.tok(seq) + self.pos(torch.arange(L, device=seq.device))[None]
+        h = self.tok(seq)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(L, device=seq.device))[None]
         records = []
         last = position.clamp(max=L - 1)
         for i in range(len(self.blocks)):

@@ -119,6 +119,7 @@ class Router(nn.Module):
             idx = replay_indices.to(device=x.device, dtype=torch.long)
             need(idx.shape == (x.shape[0], self.top_k), "replay_indices", f"shape {(x.shape[0], self.top_k)}",
                    tuple(idx.shape))
+            idx = torch.where(idx >= self.num_experts, own, idx)   # OWN_CHOICE: not replayed
         return RoutingRecord(idx, gate_weights(logits, idx, self.normalize_gates), logits, router_top_k=own)
 
 

@@ -69,6 +69,11 @@ class RoutingRecord:
         return encode_top_k(self.top_k_indices, self.dropped)
 
 
+# A replay code naming no expert: that token's assignment is left to the router (partial replay,
+# moe.routing_replay "mismatched"). Any code >= N means the same; this one fits int32 columns.
+OWN_CHOICE = 2 ** 31 - 1
+
+
 def encode_top_k(indices: torch.Tensor, dropped: Optional[torch.Tensor]) -> torch.Tensor:
     return indices if dropped is None else torch.where(dropped, -indices - 1, indices)
 
@@ -80,6 +85,13 @@ def decode_top_k(code: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tenso
     if not bool(dropped.any()):
         return code, None
     return torch.where(dropped, -code - 1, code), dropped
+
+
+def layer_disagreement(recorded_top_k: torch.Tensor, own_top_k: torch.Tensor) -> torch.Tensor:
+    """[N, L] bool: per token and layer, the top-k expert *set* differs between a recorded
+    (encoded) top-k [N, L, k] and a router's own choice [N, L, k]; the order within k does not count."""
+    a = decode_top_k(recorded_top_k.long())[0].sort(-1).values
+    return (a != own_top_k.long().sort(-1).values).any(-1)
 
 
 def gate_weights(logits: torch.Tensor, indices: torch.Tensor, normalize: bool) -> torch.Tensor:

@@ -17,6 +17,7 @@ from moe_rl.core.routers import ROUTER_INITS, ROUTERS, router_options
 
 INFERENCE_DTYPES = ("fp32", "bf16")
 POLICY_HEADS = ("linear", "dual")
+POSITIONS = ("learned", "relative")
 
 MOE_DEFAULTS: Dict[str, Any] = {
     "num_experts": 8,          # N experts per MoE layer
@@ -42,8 +43,11 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "policy_head": "linear",   # linear | dual (parallel linear + MLP branches, seed 000's finding)
     "inference_dtype": "fp32", # numeric setup of the rollout (inference) copy
     "ep_size": 1,              # expert-parallel degree of the learner group
-    "routing_replay": "auto",  # R3: the learner replays the rollout's recorded top-k. auto: where
-                               # the routing is not a function of the token alone (reinforce, capacity)
+    "routing_replay": "auto",  # R3: the learner replays the rollout's recorded top-k (true: all of it;
+                               # mismatched: only the tokens the trainer routes otherwise at the rollout's
+                               # weights, numeric flips, the rest follow the router). auto: all where the
+                               # routing is not a function of the token alone (reinforce, capacity),
+                               # mismatched under a bf16 rollout copy, none for an fp32 copy
     "replay_anchor_coef": 0.01,  # under replay: keeps the router's mass on the replayed experts
     # Trainer-only gating (DeepSpeed learner). Each is a training-inference mismatch source that
     # DeepSpeed turns on by default; here they are off unless asked for.
@@ -52,7 +56,9 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "trainer_random_token_selection": False,  # random survivors at capacity (DeepSpeed's RTS)
     "vf_hiddens": [64, 64],    # value network (kept outside the MoE)
     "task_slice": None,        # [start, num_tasks]: one-hot task id inside vector obs (router "task")
-    "max_seq_len": 64,         # token-sequence policies: context length of the transformer
+    "max_seq_len": 64,         # token-sequence policies: context length of the transformer (positions
+                               # relative: the longest distance with a bias of its own; any length runs)
+    "positions": "learned",    # token-sequence policies: learned (absolute embeddings) | relative
     "num_heads": 4,            # token-sequence policies: attention heads
 }
 
@@ -111,6 +117,7 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
         _need(isinstance(s[f], bool), f"moe.{f}", "true or false", s[f])
     _need(s["dispatch"] in DISPATCH_PATHS, "moe.dispatch", f"one of {DISPATCH_PATHS}", s["dispatch"])
     _need(s["balance"] in BALANCE_MODES, "moe.balance", f"one of {BALANCE_MODES}", s["balance"])
+    _need(s["positions"] in POSITIONS, "moe.positions", f"one of {POSITIONS}", s["positions"])
     _need(s["policy_head"] in POLICY_HEADS, "moe.policy_head", f"one of {POLICY_HEADS}", s["policy_head"])
     for f in ("aux_loss_coef", "z_loss_coef", "reinforce_loss_coef", "replay_anchor_coef"):
         _need(_is_num(s[f]) and s[f] >= 0, f"moe.{f}", "a finite number >= 0", s[f])
@@ -121,8 +128,13 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     _need(n % ep == 0, "moe.ep_size", f"a divisor of moe.num_experts={n}", ep)
     _need(ep == 1 or num_learners is None or (num_learners >= ep and num_learners % ep == 0), "moe.ep_size",
           f"a divisor of learners.num_learners={num_learners}", ep)
-    _need(s["routing_replay"] == "auto" or isinstance(s["routing_replay"], bool), "moe.routing_replay",
-          "auto, true or false", s["routing_replay"])
+    rr = s["routing_replay"]
+    _need(rr in ("auto", "mismatched") or isinstance(rr, bool), "moe.routing_replay", "auto, mismatched, true or false",
+          rr)
+    # A sampling router or a capacity limit routes by more than the token: only a full replay
+    # gives the trainer the rollout's decisions.
+    _need(rr != "mismatched" or (s["router"] != "reinforce" and s["capacity_factor"] is None), "moe.routing_replay",
+          "true or auto with router 'reinforce' or a capacity_factor (mismatched replays too little there)", rr)
     vf = s["vf_hiddens"]
     _need(isinstance(vf, (list, tuple)) and all(_is_int(h) and h >= 1 for h in vf), "moe.vf_hiddens",
           "a list of ints >= 1", vf)

@@ -34,7 +34,8 @@ from moe_rl.core.stability import (
     validate_stability,
 )
 from moe_rl.rllib.correction import RolloutCorrection, routing_flags
-from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule, replays_routing
+from moe_rl.rllib.replay import MismatchedReplay
+from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule, replay_mode
 
 STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"      # PPO's adaptive KL coefficients (RLlib's state leaves them out)
@@ -53,6 +54,10 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         self.grad_hooks: List[Callable] = []
         self.lr_scale = 1.0   # < 1 for the retry after a sync-gate rollback
         super().build()
+        if self._learner_connector is not None and any(
+                isinstance(m, MoEPolicyModule) and replay_mode(m.moe_settings) == "mismatched"
+                for m in map(self.plain_module, self.module.keys())):
+            self._learner_connector.append(MismatchedReplay())   # before the correction's forward
         self.correction = resolve_correction(self.config.consistency_settings.get("correction"))
         if active(self.correction) and self.correction["mode"] == "decoupled" and self._learner_connector is not None:
             # After PPO's GAE (appended by super().build()): reweights advantages, re-bases the
@@ -178,7 +183,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         sums = self._update_counts.get(module_id)
         self._update_counts[module_id] = counts if sums is None else [a + b for a, b in zip(sums, counts)]
         stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "aux_loss_coef": aux_coef}
-        if s["replay_anchor_coef"] > 0 and replays_routing(s):
+        if s["replay_anchor_coef"] > 0 and replay_mode(s) == "full":
             anchor = replay_anchor_loss(records)
             extra = extra + s["replay_anchor_coef"] * anchor
             stats["replay_anchor_loss"] = anchor.detach()

@@ -15,7 +15,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import gymnasium as gym
 import numpy as np
@@ -25,11 +25,14 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from torch import nn
 
+from moe_rl.core.errors import ConfigError
 from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk, mlp, policy_head
 from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
 
 MOE_TOPK = "moe_topk"          # [B, L, k] top-k experts per MoE layer, recorded at rollout time
 MOE_ROUTING = "moe_routing"    # list of RoutingRecord (train forward only; stays on the learner)
+MOE_REPLAY = "moe_replay"      # [B, L, k] what training replays (routing_replay "mismatched": OWN_CHOICE
+                               # rows leave the token to the router); absent: MOE_TOPK, all of it
 TOKEN_OBS_KEYS = {"tokens", "position"}
 
 
@@ -39,18 +42,34 @@ def topk_dtype(num_experts: int) -> torch.dtype:
     return torch.int8 if num_experts <= 128 else (torch.int16 if num_experts <= 32768 else torch.int32)
 
 
+def replay_mode(s: Dict[str, Any]) -> Optional[str]:
+    """moe.routing_replay resolved: "full" (R3), "mismatched" (only the tokens the trainer, at the
+    rollout's weights, routes otherwise: moe_rl.rllib.replay) or None. "auto": full where the
+    rollout's routing is not a function of the token alone (a sampling router, a batch-dependent
+    capacity limit), mismatched where the rollout copy computes in another dtype (bf16 flips
+    near-ties), none for an exact fp32 copy."""
+    mode = s["routing_replay"]
+    if mode == "auto":
+        if s["router"] == "reinforce" or s["capacity_factor"] is not None:
+            return "full"
+        return "mismatched" if s["inference_dtype"] != "fp32" else None
+    if mode == "mismatched":
+        return mode
+    return "full" if mode else None
+
+
 def replays_routing(s: Dict[str, Any]) -> bool:
-    """moe.routing_replay resolved: "auto" replays where the rollout's routing is not a function of
-    the token alone (a sampling router, or a batch-dependent capacity limit)."""
-    if s["routing_replay"] == "auto":
-        return s["router"] == "reinforce" or s["capacity_factor"] is not None
-    return bool(s["routing_replay"])
+    """Training forwards replay (at the rollout's weights a partial replay is a full one)."""
+    return replay_mode(s) is not None
 
 
 class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     @property
     def moe_settings(self) -> Dict[str, Any]:
-        return validate_moe({**MOE_DEFAULTS, **self.model_config.get("moe", {})})
+        # Validated once: the learner reads them at every minibatch.
+        if "_moe_settings" not in self.__dict__:
+            self.__dict__["_moe_settings"] = validate_moe({**MOE_DEFAULTS, **self.model_config.get("moe", {})})
+        return self.__dict__["_moe_settings"]
 
     def setup(self):
         s = self.moe_settings
@@ -58,6 +77,10 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         self.is_token_policy = isinstance(obs_space, gym.spaces.Dict) and TOKEN_OBS_KEYS <= set(obs_space.spaces)
         if self.is_token_policy:
             vocab = int(obs_space["tokens"].high.max()) + 1
+            length = int(obs_space["tokens"].shape[0])
+            if s["positions"] == "learned" and length > s["max_seq_len"]:
+                raise ConfigError(f"moe.max_seq_len: must be >= the observation's {length} tokens under "
+                                  f"moe.positions 'learned' (or set moe.positions: relative), got {s['max_seq_len']}")
             self.trunk = MoETransformerTrunk(vocab, s)
             vf_in = int(np.prod(obs_space["tokens"].shape)) + 1
         else:
@@ -127,7 +150,7 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         return self._forward(batch, explore=True)
 
     def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
-        replay = batch.get(MOE_TOPK) if self.replay_routing else None
+        replay = batch.get(MOE_REPLAY, batch.get(MOE_TOPK)) if self.replay_routing else None
         logits, records = self._policy(batch, replay)
         return {Columns.ACTION_DIST_INPUTS: logits, MOE_ROUTING: records,
                 MOE_TOPK: torch.stack([r.encoded_top_k() for r in records], 1)}
