@@ -1,6 +1,6 @@
 """Collapse experiment (issue 14): a genuine training-inference mismatch switched on, and each remedy.
 
-    .venv/bin/python bench/bench_collapse.py [--source capacity|bf16] [--seeds 5] [--iterations 20]
+    .venv/bin/python bench/bench_collapse.py [--source capacity|capacity_half|bf16] [--seeds 5] [--iterations 20]
         [--arms none,tis,rs_veto,r3,routing_rs,hold] [--json OUT]
 
 Task: configs/tokens.yaml (copy an 8-token prompt, vocabulary 4, the transformer trunk with MoE
@@ -9,6 +9,7 @@ room to hurt. Mismatch sources:
   capacity  capacity factor 1.0 at both ends without routing replay: the rollout copy drops tokens
             over an expert's capacity in batches of 8, the trainer in minibatches of 250, so the
             trainer computes another policy than the one that sampled (the default replays instead)
+  capacity_half  the same at capacity factor 0.5 (about half of the assignments dropped)
   bf16      the rollout copy in bf16, the trainer in fp32
 Arms (each on top of the source):
   none        no correction
@@ -44,6 +45,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET, COLLAPSE_FROM, COLLAPSE_SHARE = 0.8, 0.5, 0.6
 HARSH = ["training.lr=0.003", "training.train_batch_size_per_learner=1000", "stop_return=null"]
 SOURCES = {"capacity": ["moe.capacity_factor=1.0", "moe.routing_replay=false"],
+           "capacity_half": ["moe.capacity_factor=0.5", "moe.routing_replay=false"],
            "bf16": ["moe.inference_dtype=bf16", "moe.routing_replay=false"]}
 ARMS = {
     "none": [],

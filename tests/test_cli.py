@@ -11,9 +11,9 @@ REQUIRED_COLUMNS = ["iteration", "env_steps_total", "time_s", "episode_return_me
                     "moe/active_experts", "moe/router_entropy_norm", "moe/health"]
 
 
-def moe_rl(*args, timeout=600):
+def moe_rl(*args, timeout=600, cwd=None):
     return subprocess.run([sys.executable, "-m", "moe_rl.app.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+                          timeout=timeout, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,11 @@ def test_drift_study_refuses_a_run_that_is_not_a_token_policy(run_dir):
     assert p.returncode != 0 and "--checkpoint: must be a single-agent run on moe_rl/TokenSequence-v0" in p.stderr
 
 
-def test_evaluate_loads_the_last_checkpoint(run_dir):
-    p = moe_rl("evaluate", str(run_dir), "--episodes", "2", timeout=300)
+@pytest.mark.parametrize("relative", [False, True])
+def test_evaluate_loads_the_last_checkpoint(run_dir, relative):
+    """RUN_DIR as given on the command line, absolute or relative to the working directory."""
+    p = moe_rl("evaluate", run_dir.name if relative else str(run_dir), "--episodes", "2", timeout=300,
+               cwd=run_dir.parent)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "mean return over 2 episodes:" in p.stdout
 

@@ -43,6 +43,7 @@ from moe_rl import __version__
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.app.run_config import BUILDER_SECTIONS
 from moe_rl.core.errors import ConfigError
+from moe_rl.core.settings import MOE_DEFAULTS
 from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
@@ -262,7 +263,7 @@ def restore_checkpoint(algo, path: str) -> Dict[str, Any]:
     learner, RLlib learner/algorithm state (iteration counter, metrics, LR schedule position),
     connector states, PPO's KL coefficients, the driver's RNG state and the run's clock."""
     manifest = verify_checkpoint(path)
-    algo.restore_from_path(path)
+    algo.restore_from_path(os.path.abspath(path))   # RLlib reads a relative path as a URI and fails
     load_rng_state(path)
     if manifest.get("time_total_s") is not None:  # Trainable's clock (result time_total_s) goes on
         algo._time_total = float(manifest["time_total_s"])
@@ -283,7 +284,7 @@ def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
     per-learner parts module_shard_rank*.pt, assembled strictly and loaded without unpickling code."""
     path = os.path.join(checkpoint, "learner_group", "learner", "rl_module", module_id)
     if os.path.isdir(path):
-        return RLModule.from_checkpoint(path)
+        return RLModule.from_checkpoint(os.path.abspath(path))   # a relative path would be read as a URI
     shard_files = sorted(glob.glob(os.path.join(checkpoint, "learner_group", "module_shard_rank*.pt")))
     if not shard_files:
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds neither an RLModule nor learner shards")
@@ -379,7 +380,10 @@ def model_fields(resolved_config: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def model_conflicts(saved: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
-    """(field, saved value, new value) for every model field that differs."""
+    """(field, saved value, new value) for every model field that differs. A `moe` key the saved
+    config lacks (a run from before the key existed, e.g. moe.positions) counts as its default."""
+    if isinstance(saved.get("moe"), dict):
+        saved = {**saved, "moe": {**MOE_DEFAULTS, **saved["moe"]}}
     a, b = model_fields(saved), model_fields(new)
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
