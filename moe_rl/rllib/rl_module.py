@@ -58,11 +58,6 @@ def replay_mode(s: Dict[str, Any]) -> Optional[str]:
     return "full" if mode else None
 
 
-def replays_routing(s: Dict[str, Any]) -> bool:
-    """Training forwards replay (at the rollout's weights a partial replay is a full one)."""
-    return replay_mode(s) is not None
-
-
 class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     @property
     def moe_settings(self) -> Dict[str, Any]:
@@ -96,7 +91,9 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.log_std = nn.Parameter(torch.zeros(act_dim))
         if not self.inference_only:
             self.vf = mlp([vf_in, *s["vf_hiddens"]], 1)
-        self.replay_routing = replays_routing(s)
+        # Training forwards replay in either mode (the trainer's view at the rollout's weights too:
+        # there a partial replay is a full one).
+        self.replay_routing = replay_mode(s) is not None
         self.topk_dtype = topk_dtype(s["num_experts"])
         self.compute_dtype = torch.float32
         if self.inference_only and s["inference_dtype"] == "bf16":
