@@ -142,7 +142,8 @@ class DeepSpeedMoE(nn.Module):
     def router(self) -> Router:
         return self.gate.router
 
-    def forward(self, x, replay_indices=None, task_ids=None, explore=False):
+    def forward(self, x, replay_indices=None, task_ids=None, explore=False, seq_mask=None):
+        # seq_mask: DeepSpeed's gate keeps its own capacity over the whole batch (trainer_capacity_factor).
         flat = x.reshape(-1, self.d_model)
         gate = self.gate
         gate.replay, gate.task_ids = replay_indices, task_ids

@@ -59,6 +59,11 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
                              capacity_factor=s["trainer_capacity_factor"],
                              second_expert_sampling=s["trainer_second_expert_sampling"],
                              random_token_selection=s["trainer_random_token_selection"])
+            m = module[mid]
+            if isinstance(m, MoEPolicyModule) and m.replay_mode is None and m.moe_settings["capacity_factor"]:
+                # DeepSpeed's gate keeps its own capacity (trainer_capacity_factor), not the token
+                # trunk's per-sequence one: the rollout's drops reach it only by replay.
+                m.replay_mode, m.replay_routing = "full", True
         return module
 
     def _make_modules_ddp_if_necessary(self) -> None:

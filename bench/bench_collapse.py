@@ -6,9 +6,10 @@
 Task: configs/tokens.yaml (copy an 8-token prompt, vocabulary 4, the transformer trunk with MoE
 feed-forward layers; random policy 0.25), made harsher (lr 3e-3, batch 1000) so that a mismatch has
 room to hurt. Mismatch sources:
-  capacity  capacity factor 1.0 at both ends without routing replay: the rollout copy drops tokens
-            over an expert's capacity in batches of 8, the trainer in minibatches of 250, so the
-            trainer computes another policy than the one that sampled (the default replays instead)
+  capacity  capacity factor 1.0 at both ends without routing replay. Until 2026-12-01 the token
+            trunk's capacity group was the whole batch (8 sequences at rollout, 250 in training), a
+            genuine mismatch; each sequence is its own group now, so this source measures that the
+            two ends agree (routing agreement 1.0)
   capacity_half  the same at capacity factor 0.5 (about half of the assignments dropped)
   bf16      the rollout copy in bf16, the trainer in fp32
 Arms (each on top of the source):

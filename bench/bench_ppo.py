@@ -2,59 +2,121 @@
 
 Same env-runner layouts, batch sizes, PPO settings and seeds, in one process and one run:
     .venv/bin/python bench/bench_ppo.py [--max-iterations 40] [--target 450] [--layouts 1x1,1x8,2x4] [--json OUT]
+    .venv/bin/python bench/bench_ppo.py --size large --layouts 1x8 --max-iterations 4
+
+--size large: a realistic learner (2 MoE layers, d 256, 64 experts, top-2, expert hidden 512;
+4096-step minibatches of a 16 384-step batch, 1 epoch) against the stock MLP of equal active
+parameters; the stock default model is left out there (it is far smaller).
 
 Per layout (runners x envs per runner) and algorithm it reports env steps/s (training included)
-and the env steps at which the mean training return first reached the target.
+and the env steps at which the mean training return first reached the target (every run goes on
+for --max-iterations). Speeds are the steady state: medians over iterations 2.. of the iteration,
+its sampling and its learner update, timed around the calls themselves (RLlib's `timers` are
+exponential averages that still weigh the first, warm-up iteration at about 0.9 after 15
+iterations).
 """
 import argparse
+import contextlib
 import json
+import math
 import os
+import statistics
 import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray  # noqa: E402
+import ray.rllib.algorithms.ppo.ppo as stock_ppo_module  # noqa: E402
 from ray.rllib.algorithms.ppo import PPOConfig  # noqa: E402
 from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig  # noqa: E402
 
 from moe_rl import MoEPPOConfig  # noqa: E402
+from moe_rl.algo import algorithm as moe_ppo_module  # noqa: E402
 from moe_rl.core.sharding import is_expert_param  # noqa: E402
 
 LAYOUTS = [(1, 1), (1, 8), (2, 4)]
 TRAINING = dict(lr=3e-4, gamma=0.99, lambda_=0.95, train_batch_size_per_learner=4000, minibatch_size=256,
                 num_epochs=6, vf_loss_coeff=0.5, vf_clip_param=1000.0)
-MOE = dict(num_experts=8, top_k=2, num_layers=2, d_model=64, d_ff=64)
-DENSE_HIDDEN = 184  # 2 x 184 tanh MLP ~ the MoE policy's active parameters (printed below)
-ALGOS = ("stock_ppo", "stock_default", "moe_ppo")
+SIZES = {   # moe settings, training overrides, the algorithms compared
+    "quickstart": (dict(num_experts=8, top_k=2, num_layers=2, d_model=64, d_ff=64), {},
+                   ("moe_ppo", "stock_ppo", "stock_default")),
+    "large": (dict(num_experts=64, top_k=2, num_layers=2, d_model=256, d_ff=512),
+              dict(train_batch_size_per_learner=16384, minibatch_size=4096, num_epochs=1), ("moe_ppo", "stock_ppo")),
+}
+OBS_DIM, NUM_ACTIONS = 4, 2   # CartPole
 
 
 def policy_params(algo):
+    """Active policy parameters: all but the value network, experts counted at k of N."""
     module = algo.learner_group._learner.module["default_policy"]
     total = sum(p.numel() for n, p in module.named_parameters() if not n.startswith(("vf", "encoder.critic")))
     experts = sum(p.numel() for n, p in module.named_parameters() if is_expert_param(n))
-    return total - experts + experts * MOE["top_k"] // MOE["num_experts"] if experts else total
+    if not experts:
+        return total
+    s = module.moe_settings
+    return total - experts + experts * s["top_k"] // s["num_experts"]
+
+
+def equal_active_hidden(active: int) -> int:
+    """Width h of a 2-hidden-layer MLP policy with about `active` parameters:
+    h^2 + h (obs + actions + 2) + actions = active."""
+    b = OBS_DIM + NUM_ACTIONS + 2
+    return math.ceil((-b + math.sqrt(b * b + 4 * (active - NUM_ACTIONS))) / 2)
+
+
+PHASES = {"sample_s": 0.0, "learn_s": 0.0}
+
+
+def timing(phase, fn):
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PHASES[phase] += time.perf_counter() - t0
+    return timed
+
+
+@contextlib.contextmanager
+def phase_timers():
+    """Time the sampling and learner-update calls of both algorithms' training_step."""
+    saved = [(m, m.synchronous_parallel_sample) for m in (stock_ppo_module, moe_ppo_module)]
+    for m, fn in saved:
+        m.synchronous_parallel_sample = timing("sample_s", fn)
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m.synchronous_parallel_sample = fn
 
 
 def run(config, max_iterations, target):
     algo = config.build_algo()
     active = policy_params(algo)
+    algo.learner_group.update = timing("learn_s", algo.learner_group.update)
     steps_to_target, t0, steps = None, time.perf_counter(), 0
-    timers = []
+    per_iter = []
     try:
         for _ in range(max_iterations):
+            PHASES.update(sample_s=0.0, learn_s=0.0)
+            t_iter = time.perf_counter()
             r = algo.train()
-            steps = r["env_runners"]["num_env_steps_sampled_lifetime"]
-            t = r.get("timers", {})
-            timers.append((t.get("env_runner_sampling_timer"), t.get("learner_update_timer")))
+            new_steps = r["env_runners"]["num_env_steps_sampled_lifetime"] - steps
+            steps += new_steps
+            per_iter.append({"iter_s": time.perf_counter() - t_iter, "steps": new_steps, **PHASES})
             if steps_to_target is None and r["env_runners"].get("episode_return_mean", 0) >= target:
-                steps_to_target = steps
-                break
+                steps_to_target = steps   # every run goes on to max_iterations: equal footing for speed
         wall = time.perf_counter() - t0
     finally:
         algo.stop()
-    # RLlib's timers are smoothed over iterations: the last value, first iteration excluded by it.
-    return {"env_steps": steps, "wall_s": wall, "steps_per_s": steps / wall, "steps_to_target": steps_to_target,
-            "active_policy_params": active, "sample_s": timers[-1][0], "learn_s": timers[-1][1]}
+    steady = per_iter[1:] or per_iter
+
+    def median(key):
+        return statistics.median(it[key] for it in steady)
+    return {"env_steps": steps, "wall_s": wall, "steps_per_s_overall": steps / wall,
+            "steps_per_s": statistics.median(it["steps"] / it["iter_s"] for it in steady),
+            "steps_to_target": steps_to_target, "active_policy_params": active, "iterations": len(per_iter),
+            "sample_s": median("sample_s"), "learn_s": median("learn_s"), "per_iteration": per_iter}
 
 
 def main():
@@ -63,34 +125,41 @@ def main():
     ap.add_argument("--target", type=float, default=450)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layouts", default=",".join(f"{r}x{e}" for r, e in LAYOUTS))
+    ap.add_argument("--size", choices=tuple(SIZES), default="quickstart")
     ap.add_argument("--json")
     args = ap.parse_args()
+    moe, training, algos = SIZES[args.size]
     ray.init(include_dashboard=False, log_to_driver=False)
     rows = []
     layouts = [tuple(int(v) for v in x.split("x")) for x in args.layouts.split(",")]
     for runners, envs in layouts:
-        for name in ALGOS:
+        hidden = None
+        for name in algos:   # moe_ppo first: the equal-active width follows its parameter count
             if name == "moe_ppo":
-                cfg = MoEPPOConfig().moe(**MOE)
+                cfg = MoEPPOConfig().moe(**moe)
             elif name == "stock_ppo":
                 cfg = PPOConfig().rl_module(model_config=DefaultModelConfig(
-                    fcnet_hiddens=[DENSE_HIDDEN, DENSE_HIDDEN], fcnet_activation="tanh"))
+                    fcnet_hiddens=[hidden, hidden], fcnet_activation="tanh"))
             else:   # the model a user gets by default: 256 x 256 tanh
                 cfg = PPOConfig()
-            cfg = (cfg.environment("CartPole-v1").training(**TRAINING)
+            cfg = (cfg.environment("CartPole-v1").training(**{**TRAINING, **training})
                    .env_runners(num_env_runners=runners, num_envs_per_env_runner=envs).debugging(seed=args.seed))
-            r = {"layout": f"{runners}x{envs}", "algo": name, **run(cfg, args.max_iterations, args.target)}
+            with phase_timers():
+                r = {"layout": f"{runners}x{envs}", "algo": name, **run(cfg, args.max_iterations, args.target)}
+            if name == "moe_ppo":
+                hidden = equal_active_hidden(r["active_policy_params"])
             rows.append(r)
-            print(f"{r['layout']:>5} {name:>13}  active policy params {r['active_policy_params']:>6}  "
+            print(f"{r['layout']:>5} {name:>13}  active policy params {r['active_policy_params']:>7}  "
                   f"{r['steps_per_s']:8.0f} env steps/s  sample {r['sample_s']:.2f}s learn {r['learn_s']:.2f}s  "
                   f"steps to {args.target:g}: {r['steps_to_target']}", flush=True)
-    print("\nlayout  moe/stock(equal active)  moe/stock(default)  sample moe/stock  learn moe/stock")
+    print("\nlayout  peer           moe/peer env steps/s  sample moe/peer  learn moe/peer")
     for runners, envs in layouts:
         by = {r["algo"]: r for r in rows if r["layout"] == f"{runners}x{envs}"}
-        m, s, d = by["moe_ppo"], by["stock_ppo"], by["stock_default"]
-        print(f"{runners}x{envs:<4}  {m['steps_per_s'] / s['steps_per_s']:23.2f}"
-              f"  {m['steps_per_s'] / d['steps_per_s']:18.2f}"
-              f"  {m['sample_s'] / s['sample_s']:16.2f}  {m['learn_s'] / s['learn_s']:15.2f}")
+        m = by["moe_ppo"]
+        for peer in algos[1:]:
+            p = by[peer]
+            print(f"{runners}x{envs:<4}  {peer:13}  {m['steps_per_s'] / p['steps_per_s']:20.2f}"
+                  f"  {m['sample_s'] / p['sample_s']:15.2f}  {m['learn_s'] / p['learn_s']:14.2f}")
     ray.shutdown()
     if args.json:
         with open(args.json, "w") as f:

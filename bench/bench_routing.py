@@ -54,7 +54,8 @@ def run(arm: str, seed: int, iterations: int, overrides=()):
     return {"arm": arm, "seed": seed, "returns": returns,
             "min_routing_agreement": min(c["routing_agreement"] for c in checks),
             "max_k3": max(abs(c["k3"]) for c in checks),
-            "cv_end": rows[-1].get("moe/cv"), "replay_divergence_end": rows[-1].get("moe/replay_divergence"),
+            "cv_end": rows[-1].get("moe/cv"), "min_util_end": rows[-1].get("moe/min_util"),
+            "health_end": rows[-1].get("moe/health"), "replay_divergence_end": rows[-1].get("moe/replay_divergence"),
             "replayed_fraction": [r.get("replay/replayed_fraction") for r in rows]}
 
 
@@ -76,6 +77,7 @@ def main():
                 out.append(r)
                 print(f"{arm:10s} seed {seed}: returns {[round(x) for x in r['returns']]}  agreement >= "
                       f"{r['min_routing_agreement']:.3f}  K3 <= {r['max_k3']:.1e}  cv {r['cv_end']:.2f}  "
+                      f"min util {r['min_util_end']:.3f}  health {r['health_end']}  "
                       f"replay divergence {r['replay_divergence_end']:.2f}", flush=True)
     finally:
         ray.shutdown()

@@ -253,6 +253,29 @@ def test_every_router_and_capacity_option_is_consistent_by_construction(ray_loca
         algo.stop()
 
 
+def test_token_trunk_with_a_capacity_limit_is_consistent_without_replay(ray_local):
+    """Each sequence is its own capacity group: the rollout copy (2 sequences per call) and the
+    trainer (100-step minibatches) drop the same history positions, so `auto` replays nothing and
+    the learner still computes exactly the rollout's policy, about half of the assignments dropped."""
+    from ray.rllib.core import DEFAULT_MODULE_ID
+    cfg = (MoEPPOConfig().environment("moe_rl/TokenSequence-v0", env_config={"seq_len": 8, "prompt_len": 4,
+                                                                             "vocab_size": 4})
+           .env_runners(num_env_runners=1, num_envs_per_env_runner=2)
+           .training(lr=1e-3, train_batch_size_per_learner=300, minibatch_size=100, num_epochs=2)
+           .moe(num_experts=4, top_k=2, d_model=16, d_ff=16, num_layers=2, num_heads=2, max_seq_len=16,
+                capacity_factor=0.5)
+           .consistency(sample_size=256).debugging(seed=0))
+    algo = cfg.build_algo()
+    try:
+        assert algo.learner_group._learner.module[DEFAULT_MODULE_ID].replay_mode is None
+        for _ in range(3):
+            algo.train()
+        for row in algo.sync_gate.rows:
+            assert row["routing_agreement"] == 1.0 and abs(row["k3"]) <= 1e-6, row["iteration"]
+    finally:
+        algo.stop()
+
+
 def test_expert_dropout_is_not_mismatch(ray_local):
     """Dropout perturbs training, not what the trainer computes: the same-weights check runs without it."""
     algo = config(ep_size=1, expert_dropout=0.3).build_algo()

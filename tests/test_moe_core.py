@@ -8,7 +8,15 @@ from moe_rl.core.layer import DISPATCH_PATHS, MoELayer
 from moe_rl.core.losses import load_balancing_loss, moe_aux_losses, replay_anchor_loss, router_z_loss
 from moe_rl.core.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
 from moe_rl.core.routers import balance_step, plackett_luce_logp
-from moe_rl.core.routing import OWN_CHOICE, RoutingRecord, layer_disagreement, sinkhorn, sinkhorn_potentials
+from moe_rl.core.routing import (
+    OWN_CHOICE,
+    RoutingRecord,
+    layer_disagreement,
+    queue_positions,
+    sequence_queue_positions,
+    sinkhorn,
+    sinkhorn_potentials,
+)
 
 pytestmark = pytest.mark.pure
 
@@ -174,6 +182,25 @@ def test_capacity_factor_drops_overflow_tokens():
     assert torch.all(y[rec.dropped[:, 0]] == 0)
 
 
+def test_sequence_capacity_groups_count_each_sequences_valid_tokens_only():
+    idx = torch.tensor([[[0, 1], [0, 2], [0, 1], [3, 2]],
+                        [[0, 1], [0, 1], [1, 0], [0, 1]]])
+    valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    pos = sequence_queue_positions(idx, valid, 4)
+    # first choices queue before second choices; an invalid token queues nowhere
+    assert pos[0].tolist() == [[0, 0], [1, 0], [2, 1], [0, 0]]
+    assert torch.equal(pos[1], queue_positions(idx[1], 4))         # a full sequence: the flat rule
+    layer = MoELayer(8, 4, 1, capacity_factor=1.0)
+    layer.router.gate.bias.data[:] = torch.tensor([10.0, 0, 0, 0])  # all to expert 0
+    x = torch.randn(2, 8, 8)
+    filled = torch.arange(8)[None] < torch.tensor([[8], [4]])
+    _, rec = layer(x, seq_mask=filled)
+    # capacity ceil(1.0 * n * 1 / 4) per sequence: 2 of 8, 1 of 4; padding is never counted as dropped
+    assert rec.dropped.view(2, 8).sum(1).tolist() == [6, 3]
+    _, alone = layer(x[1:], seq_mask=filled[1:])
+    assert torch.equal(alone.dropped, rec.dropped[8:])
+
+
 def test_bias_router_moves_bias_against_load_at_optimizer_steps():
     torch.manual_seed(0)
     layer = MoELayer(8, 4, 1, router="bias", router_kwargs={"bias_update_rate": 0.01})
@@ -201,16 +228,20 @@ def test_balance_statistics_use_the_routers_own_choice_under_replay():
     assert health_summary([rec])["moe/active_experts"] == health_summary([own])["moe/active_experts"] == 4
 
 
-def test_replay_anchor_is_the_router_mass_off_the_replayed_experts_and_pulls_it_back():
+def test_replay_anchor_is_the_router_mass_off_the_replayed_experts_where_it_drifted_and_pulls_it_back():
     torch.manual_seed(0)
     layer = MoELayer(8, 4, 2)
     x = torch.randn(32, 8)
     forced = torch.tensor([[2, 3]]).expand(32, 2)
     _, rec = layer(x, replay_indices=forced)
     probs = torch.softmax(rec.router_logits, -1)
-    expected = -(probs[:, 2] + probs[:, 3]).log().mean()
+    drifted = torch.tensor([set(row) != {2, 3} for row in rec.router_top_k.tolist()])
+    assert 0 < drifted.sum() < 32                             # both kinds of token are present
+    expected = (-(probs[:, 2] + probs[:, 3]).log() * drifted).sum() / 32
     loss = replay_anchor_loss([rec])
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    _, own = layer(x, replay_indices=rec.router_top_k)       # replaying the router's own choice
+    assert replay_anchor_loss([own]).item() == 0.0          # nothing to pull back, nothing sharpened
     loss.backward()
     step = -layer.router.gate.bias.grad                      # a gradient step on the bias
     assert step[2] > 0 and step[3] > 0 and step[0] < 0 and step[1] < 0

@@ -368,21 +368,31 @@ def test_activation_checkpointing_gives_the_same_outputs_and_gradients(token_pol
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
 
 
-@pytest.mark.parametrize("positions,length", [("learned", 12), ("relative", 40)])
-def test_token_trunk_features_do_not_depend_on_the_rest_of_the_batch(positions, length):
-    """Each row's features are what it gives alone (the relative path drops the padding mask:
-    trailing padding must stay hidden by causality); relative positions run past max_seq_len."""
+@pytest.mark.parametrize("positions,length,capacity_factor", [("learned", 12, None), ("relative", 40, None),
+                                                              ("relative", 40, 0.5), ("learned", 12, 1.0)])
+def test_token_trunk_features_do_not_depend_on_the_rest_of_the_batch(positions, length, capacity_factor):
+    """Each row's features and routing are what it gives alone (the relative path drops the
+    padding mask: trailing padding must stay hidden by causality; under a capacity factor each
+    sequence is its own capacity group); relative positions run past max_seq_len."""
     from moe_rl.core.policy import MoETransformerTrunk
     from moe_rl.core.settings import MOE_DEFAULTS
     torch.manual_seed(0)
-    s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "max_seq_len": 12, "positions": positions}
+    s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "max_seq_len": 12, "positions": positions,
+         "capacity_factor": capacity_factor}
     trunk = MoETransformerTrunk(5, s).eval()
     position = torch.tensor([3, length - 1, 7])
     tokens = torch.randint(0, 5, (3, length)).masked_fill(torch.arange(length)[None] >= position[:, None], -1)
     with torch.no_grad():
-        together, _ = trunk({"tokens": tokens, "position": position})
-        alone = torch.cat([trunk({"tokens": tokens[i:i + 1], "position": position[i:i + 1]})[0] for i in range(3)])
-    assert torch.allclose(together, alone, atol=1e-5)
+        together, records = trunk({"tokens": tokens, "position": position})
+        rows = [trunk({"tokens": tokens[i:i + 1], "position": position[i:i + 1]}) for i in range(3)]
+    assert torch.allclose(together, torch.cat([h for h, _ in rows]), atol=1e-5)
+    for layer, rec in enumerate(records):
+        assert torch.equal(rec.encoded_top_k(), torch.cat([recs[layer].encoded_top_k() for _, recs in rows]))
+    if capacity_factor is not None:   # the limit bites: without it the features differ
+        trunk_dropless = MoETransformerTrunk(5, {**s, "capacity_factor": None}).eval()
+        trunk_dropless.load_state_dict(trunk.state_dict())
+        with torch.no_grad():
+            assert not torch.allclose(trunk_dropless({"tokens": tokens, "position": position})[0], together, atol=1e-3)
     if positions == "relative":
         assert trunk.pos is None
         trunk({"tokens": tokens, "position": position})[0].pow(2).sum().backward()

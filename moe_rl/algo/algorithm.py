@@ -102,6 +102,7 @@ class MoEPPOConfig(PPOConfig):
         ep_size: int = NotProvided,
         routing_replay: Union[bool, str] = NotProvided,
         replay_anchor_coef: float = NotProvided,
+        normalize_gates: Union[bool, str] = NotProvided,
         trainer_capacity_factor: Optional[float] = NotProvided,
         trainer_second_expert_sampling: bool = NotProvided,
         trainer_random_token_selection: bool = NotProvided,
@@ -144,11 +145,15 @@ class MoEPPOConfig(PPOConfig):
             routing_replay: R3, the learner replays the rollout's recorded top-k. true: all of
                 it; mismatched: only where the trainer, at the rollout's weights, would route a
                 token otherwise (a bf16 flip), fixed for the update, the rest following the
-                router as it learns; auto: true where the routing is not a function of the token
-                alone (reinforce, capacity), mismatched under a bf16 rollout copy, else off.
+                router as it learns; auto: true where the routing is not a function of the
+                observation alone (reinforce; capacity, except on the token trunk with an fp32
+                copy: its capacity groups are sequences), mismatched under a bf16 copy, else off.
             replay_anchor_coef: under routing replay, weight of -log(router mass on the replayed
                 experts), which keeps the router's own choice on the experts PPO trains
                 (moe_rl.core.losses.replay_anchor_loss).
+            normalize_gates: combine weights of the chosen experts: their softmax renormalised
+                over the k (true) or each one's own router probability (false). auto: false
+                exactly under full routing replay, where it lets R3 learn as fast as no replay.
             trainer_capacity_factor: DeepSpeed learner only: drop beyond this capacity (None: dropless).
             trainer_second_expert_sampling: DeepSpeed learner only: Gumbel-sample the 2nd expert.
             trainer_random_token_selection: DeepSpeed learner only: random survivors at capacity.

@@ -94,17 +94,15 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // k
-        xs = x.index_select(0, token_of)
+        # split, not slices: a slice's backward writes its gradient into a zero-filled copy of
+        # the whole input, once per expert; split's backward concatenates once.
+        xs = x.index_select(0, token_of).split(counts)
         # With autograd, unbind: one view per expert, whose backward stacks the expert grads once
         # (indexing the stacked parameter per expert would allocate a full-size gradient per
         # expert). Without it, index only the busy experts (N views per call add up at N = 64).
         params = (self.w1, self.b1, self.w2, self.b2)
         w1, b1, w2, b2 = (t.unbind(0) for t in params) if torch.is_grad_enabled() else params
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                outs.append(torch.addmm(b2[e], self.act(F.linear(xs[start:start + n], w1[e], b1[e])), w2[e]))
-                start += n
+        outs = [torch.addmm(b2[e], self.act(F.linear(xs[e], w1[e], b1[e])), w2[e]) for e, n in enumerate(counts) if n]
         ys = torch.cat(outs) * w.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, ys)
 

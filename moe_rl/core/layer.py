@@ -19,7 +19,7 @@ from torch import nn
 from moe_rl.core.errors import need
 from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS, Experts
 from moe_rl.core.routers import build_router
-from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, queue_positions
+from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, queue_positions, sequence_queue_positions
 
 # "auto" dispatch, from measured crossovers (BENCHMARKS.md, "MoE layer"): every expert on every
 # token while that is cheap (two matrix products over weights small enough to stay in cache);
@@ -95,7 +95,11 @@ class MoELayer(nn.Module):
         return "grouped" if num_tokens * self.top_k <= GROUPED_MAX_ASSIGNMENTS else "sorted"
 
     def forward(self, x: torch.Tensor, replay_indices: Optional[torch.Tensor] = None,
-                task_ids: Optional[torch.Tensor] = None, explore: bool = False):
+                task_ids: Optional[torch.Tensor] = None, explore: bool = False,
+                seq_mask: Optional[torch.Tensor] = None):
+        """seq_mask: [B, L] for x [B, L, d]: each sequence is its own capacity group over its True
+        tokens (capacity ceil(cf * n * k / N) for its n of them), so a sequence's drops do not
+        depend on the batch it came in; without it, the whole batch is one group."""
         need(x.shape[-1] == self.d_model, "x", f"a tensor of width d_model={self.d_model}", tuple(x.shape))
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.d_model)
@@ -105,8 +109,15 @@ class MoELayer(nn.Module):
         if replay_dropped is not None:          # the rollout's own capacity drops, replayed
             rec.dropped = replay_dropped
         elif self.capacity_factor is not None and replay is None:
-            cap = capacity(self.capacity_factor, flat.shape[0], self.top_k, self.num_experts)
-            rec.dropped = queue_positions(rec.top_k_indices, self.num_experts) >= cap
+            if seq_mask is None:
+                cap = capacity(self.capacity_factor, flat.shape[0], self.top_k, self.num_experts)
+                rec.dropped = queue_positions(rec.top_k_indices, self.num_experts) >= cap
+            else:
+                valid = seq_mask.reshape(-1, seq_mask.shape[-1])
+                B, L = valid.shape
+                cap = torch.ceil(self.capacity_factor * valid.sum(1).double() * self.top_k / self.num_experts)
+                pos = sequence_queue_positions(rec.top_k_indices.view(B, L, self.top_k), valid, self.num_experts)
+                rec.dropped = ((pos >= cap.view(B, 1, 1)) & valid.unsqueeze(-1)).reshape(B * L, self.top_k)
         if rec.dropped is not None:
             weights = weights.masked_fill(rec.dropped, 0.0)
         if self.training:

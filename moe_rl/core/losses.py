@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_rl.core.metrics import topk_sets_equal
 from moe_rl.core.routing import RoutingRecord
 
 
@@ -48,16 +49,18 @@ def moe_aux_losses(records, aux_coef: float, z_coef: float):
 
 
 def replay_anchor_loss(records) -> torch.Tensor:
-    """Under routing replay: mean over tokens of -log(sum of the router's probabilities on the
-    replayed experts), summed over layers.
+    """Under routing replay: -log(sum of the router's probabilities on the replayed experts) on
+    the tokens whose own top-k set has left the replayed one, averaged over all tokens, summed over
+    layers.
 
-    With gates renormalised over the k replayed experts, the PPO loss moves only their relative
-    weights, never the router's total mass on them, while the balance loss moves mass off busy
-    experts; within an update the router's own top-k then leaves the experts PPO is training
-    (replay divergence 0.6-0.8 on the quickstart) and the next rollouts route elsewhere. This term
-    keeps the mass on the trained experts. Records of a sampling router (REINFORCE) are skipped:
-    their selection is trained by its own policy-gradient loss."""
-    terms = [-r.router_probs.gather(1, r.top_k_indices).sum(1).clamp_min(1e-9).log().mean()
+    Over a long update the router's own top-k drifts away from the replayed experts PPO is
+    training, and the next rollouts route elsewhere. This term pulls it back where it drifted.
+    Counted on every token it also sharpened the router onto the experts already in use until one
+    starved (health danger on every seed of the quickstart; BENCHMARKS.md, gates under replay).
+    Records of a sampling router (REINFORCE) are skipped: their selection is trained by its own
+    policy-gradient loss."""
+    terms = [(-r.router_probs.gather(1, r.top_k_indices).sum(1).clamp_min(1e-9).log()
+              * ~topk_sets_equal(r.router_top_k, r.top_k_indices)).mean()
              for r in records if r.selection_logp is None]
     return sum(terms) if terms else torch.zeros(())
 

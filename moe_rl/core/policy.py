@@ -21,7 +21,9 @@ from moe_rl.core.routing import RoutingRecord
 
 
 def moe_layer_from_settings(s: dict) -> MoELayer:
+    """normalize_gates: a resolved bool (an RLModule resolves "auto"; unresolved it means true)."""
     return MoELayer(s["d_model"], s["num_experts"], s["top_k"], s["d_ff"], router=s["router"],
+                    normalize_gates=s.get("normalize_gates", True) is not False,
                     temperature=s["temperature"], router_init=s["router_init"],
                     router_init_std=s["router_init_std"], shared_expert=s["shared_expert"],
                     expert_dropout=s["expert_dropout"], capacity_factor=s["capacity_factor"],
@@ -124,21 +126,22 @@ class MoETransformerTrunk(nn.Module):
         self.final_norm = nn.LayerNorm(d)
         self.checkpointing = s["activation_checkpointing"]
 
-    def _layer(self, i, h, pad, last, replay, explore):
+    def _layer(self, i, h, filled, last, replay, explore):
         """Attention then MoE over every position; the record keeps the current position's routing
         (what drove the action). History positions always route greedily (a sampling router would
-        otherwise re-sample them at every step); replay and exploration act on the current one."""
+        otherwise re-sample them at every step); replay and exploration act on the current one.
+        Under a capacity factor each sequence is its own capacity group: a history position's drops
+        then depend on its sequence only, at rollout (a few sequences) as in training (hundreds)."""
         B, L, _ = h.shape
         block = self.blocks[i]
-        h = h + self.attns[i](self.attn_norms[i](h), pad)
-        y, rec = block.moe(block.norm(h).reshape(B * L, -1))
+        h = h + self.attns[i](self.attn_norms[i](h), filled)
+        y, rec = block.moe(block.norm(h), seq_mask=filled)
         rows = torch.arange(B, device=h.device)
         if replay is not None or (explore and block.moe.router.samples_when_exploring):
             y_cur, rec = block.moe(block.norm(h)[rows, last], replay_indices=replay, explore=explore)
-            y = y.view(B, L, -1).clone()
+            y = y.clone()
             y[rows, last] = y_cur
         else:
-            y = y.view(B, L, -1)
             rec = rec.rows(rows * L + last)
         return h + y, rec
 
@@ -152,14 +155,14 @@ class MoETransformerTrunk(nn.Module):
         # Only the prefix up to the current position matters: trim to the longest one in the batch.
         L = int(position.max().item()) + 1 if B else 1
         seq = seq[:, :L]
-        pad = torch.arange(L, device=seq.device)[None, :] <= position[:, None]
+        filled = torch.arange(L, device=seq.device)[None, :] <= position[:, None]
         h = self.tok(seq)
         if self.pos is not None:
             h = h + self.pos(torch.arange(L, device=seq.device))[None]
         records = []
         last = position.clamp(max=L - 1)
         for i in range(len(self.blocks)):
-            h, rec = maybe_checkpoint(self.checkpointing, self._layer, i, h, pad, last,
+            h, rec = maybe_checkpoint(self.checkpointing, self._layer, i, h, filled, last,
                                       None if replay is None else replay[:, i], explore)
             records.append(rec)
         return self.final_norm(h[torch.arange(B), last]), records

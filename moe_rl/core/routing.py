@@ -123,6 +123,16 @@ def queue_positions(top_k_indices: torch.Tensor, num_experts: int,
     return torch.empty_like(position).index_copy_(0, order, position)
 
 
+def sequence_queue_positions(top_k_indices: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[B, L, k] -> [B, L, k] queue positions with every row (sequence) its own capacity group:
+    slot-major within the row, over its valid tokens only (invalid ones queue nowhere). A row's
+    drops then depend on that sequence alone, never on the other sequences of the batch."""
+    B, L, k = top_k_indices.shape
+    one_hot = F.one_hot(top_k_indices.transpose(1, 2).reshape(B, k * L), num_experts)
+    one_hot = one_hot * valid.repeat(1, k).unsqueeze(-1)
+    return ((one_hot.cumsum(1) - 1) * one_hot).sum(-1).view(B, k, L).transpose(1, 2)
+
+
 def expert_dropout(weights: torch.Tensor, p: float) -> torch.Tensor:
     """Drop whole (token, expert) contributions with probability p, rescaled by 1/(1-p)."""
     if p <= 0:

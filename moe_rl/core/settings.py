@@ -46,9 +46,13 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "routing_replay": "auto",  # R3: the learner replays the rollout's recorded top-k (true: all of it;
                                # mismatched: only the tokens the trainer routes otherwise at the rollout's
                                # weights, numeric flips, the rest follow the router). auto: all where the
-                               # routing is not a function of the token alone (reinforce, capacity),
+                               # routing is not a function of the observation alone (reinforce, the
+                               # vector trunk's capacity; the token trunk's with a bf16 copy),
                                # mismatched under a bf16 rollout copy, none for an fp32 copy
     "replay_anchor_coef": 0.01,  # under replay: keeps the router's mass on the replayed experts
+    "normalize_gates": "auto",  # combine weights: softmax renormalised over the chosen k (true) or each
+                                # chosen expert's own router probability (false); auto: false exactly
+                                # under full routing replay (R3 then learns as fast as no replay)
     # Trainer-only gating (DeepSpeed learner). Each is a training-inference mismatch source that
     # DeepSpeed turns on by default; here they are off unless asked for.
     "trainer_capacity_factor": None,          # None = dropless; else drop beyond the capacity
@@ -135,10 +139,20 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     # gives the trainer the rollout's decisions.
     _need(rr != "mismatched" or (s["router"] != "reinforce" and s["capacity_factor"] is None), "moe.routing_replay",
           "true or auto with router 'reinforce' or a capacity_factor (mismatched replays too little there)", rr)
+    _need(s["normalize_gates"] == "auto" or isinstance(s["normalize_gates"], bool), "moe.normalize_gates",
+          "auto, true or false", s["normalize_gates"])
     vf = s["vf_hiddens"]
     _need(isinstance(vf, (list, tuple)) and all(_is_int(h) and h >= 1 for h in vf), "moe.vf_hiddens",
           "a list of ints >= 1", vf)
     return s
+
+
+def resolve_gate_normalization(s: Dict[str, Any], full_replay: bool) -> bool:
+    """moe.normalize_gates resolved. Under full replay the router's own choice drifts away from the
+    replayed experts over a long update; with renormalised gates the PPO loss cannot move the
+    router's mass onto them (only between them), with raw probabilities it can (BENCHMARKS.md,
+    routing replay)."""
+    return (not full_replay) if s["normalize_gates"] == "auto" else s["normalize_gates"]
 
 
 DEEPSPEED_DEFAULTS: Dict[str, Any] = {

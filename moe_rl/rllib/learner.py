@@ -35,7 +35,7 @@ from moe_rl.core.stability import (
 )
 from moe_rl.rllib.correction import RolloutCorrection, routing_flags
 from moe_rl.rllib.replay import MismatchedReplay
-from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule, replay_mode
+from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 
 STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"      # PPO's adaptive KL coefficients (RLlib's state leaves them out)
@@ -55,7 +55,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         self.lr_scale = 1.0   # < 1 for the retry after a sync-gate rollback
         super().build()
         if self._learner_connector is not None and any(
-                isinstance(m, MoEPolicyModule) and replay_mode(m.moe_settings) == "mismatched"
+                isinstance(m, MoEPolicyModule) and m.replay_mode == "mismatched"
                 for m in map(self.plain_module, self.module.keys())):
             self._learner_connector.append(MismatchedReplay())   # before the correction's forward
         self.correction = resolve_correction(self.config.consistency_settings.get("correction"))
@@ -171,7 +171,8 @@ class MoEPPOTorchLearner(PPOTorchLearner):
                                                 fwd_out=fwd_out)
         if not records:
             return total
-        s = self.plain_module(module_id).moe_settings   # a module's own (multi-agent overrides)
+        module = self.plain_module(module_id)
+        s = module.moe_settings   # a module's own (multi-agent overrides)
         aux_coef = (self._balance_for(module_id, len(records)).coef if s["balance"] == "adaptive"
                     else s["aux_loss_coef"])
         extra, aux, z = moe_aux_losses(records, aux_coef, s["z_loss_coef"])
@@ -183,7 +184,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         sums = self._update_counts.get(module_id)
         self._update_counts[module_id] = counts if sums is None else [a + b for a, b in zip(sums, counts)]
         stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "aux_loss_coef": aux_coef}
-        if s["replay_anchor_coef"] > 0 and replay_mode(s) == "full":
+        if s["replay_anchor_coef"] > 0 and module.replay_mode == "full":
             anchor = replay_anchor_loss(records)
             extra = extra + s["replay_anchor_coef"] * anchor
             stats["replay_anchor_loss"] = anchor.detach()

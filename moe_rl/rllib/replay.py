@@ -20,7 +20,7 @@ from ray.rllib.core.columns import Columns
 
 from moe_rl.core.routing import OWN_CHOICE, layer_disagreement
 from moe_rl.core.stability import expert_dropout_off
-from moe_rl.rllib.rl_module import MOE_REPLAY, MOE_ROUTING, MOE_TOPK, MoEPolicyModule, replay_mode
+from moe_rl.rllib.rl_module import MOE_REPLAY, MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 
 
 class MismatchedReplay(ConnectorV2):
@@ -28,7 +28,7 @@ class MismatchedReplay(ConnectorV2):
         for module_id, b in batch.items():
             module = rl_module[module_id]
             module = module.unwrapped() if hasattr(module, "unwrapped") else module
-            if not isinstance(module, MoEPolicyModule) or replay_mode(module.moe_settings) != "mismatched" \
+            if not isinstance(module, MoEPolicyModule) or module.replay_mode != "mismatched" \
                     or MOE_TOPK not in b:
                 continue
             b.pop(MOE_REPLAY, None)

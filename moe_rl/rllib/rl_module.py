@@ -27,7 +27,7 @@ from torch import nn
 
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk, mlp, policy_head
-from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
+from moe_rl.core.settings import MOE_DEFAULTS, resolve_gate_normalization, validate_moe
 
 MOE_TOPK = "moe_topk"          # [B, L, k] top-k experts per MoE layer, recorded at rollout time
 MOE_ROUTING = "moe_routing"    # list of RoutingRecord (train forward only; stays on the learner)
@@ -42,17 +42,20 @@ def topk_dtype(num_experts: int) -> torch.dtype:
     return torch.int8 if num_experts <= 128 else (torch.int16 if num_experts <= 32768 else torch.int32)
 
 
-def replay_mode(s: Dict[str, Any]) -> Optional[str]:
+def replay_mode(s: Dict[str, Any], token_policy: bool = False) -> Optional[str]:
     """moe.routing_replay resolved: "full" (R3), "mismatched" (only the tokens the trainer, at the
     rollout's weights, routes otherwise: moe_rl.rllib.replay) or None. "auto": full where the
-    rollout's routing is not a function of the token alone (a sampling router, a batch-dependent
-    capacity limit), mismatched where the rollout copy computes in another dtype (bf16 flips
-    near-ties), none for an exact fp32 copy."""
+    rollout's routing is not a function of the observation alone (a sampling router, a capacity
+    limit over the batch: the vector trunk's; the token trunk's capacity groups are its sequences),
+    mismatched where the rollout copy computes in another dtype (bf16 flips near-ties; full when
+    there is also a capacity limit: only a full replay carries the rollout's drops), none for an
+    exact fp32 copy."""
     mode = s["routing_replay"]
     if mode == "auto":
-        if s["router"] == "reinforce" or s["capacity_factor"] is not None:
+        exact = s["inference_dtype"] == "fp32"
+        if s["router"] == "reinforce" or (s["capacity_factor"] is not None and not (token_policy and exact)):
             return "full"
-        return "mismatched" if s["inference_dtype"] != "fp32" else None
+        return None if exact else "mismatched"
     if mode == "mismatched":
         return mode
     return "full" if mode else None
@@ -70,6 +73,11 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         s = self.moe_settings
         obs_space = self.observation_space
         self.is_token_policy = isinstance(obs_space, gym.spaces.Dict) and TOKEN_OBS_KEYS <= set(obs_space.spaces)
+        # Training forwards replay in either mode (the trainer's view at the rollout's weights too:
+        # there a partial replay is a full one).
+        self.replay_mode = replay_mode(s, self.is_token_policy)
+        self.replay_routing = self.replay_mode is not None
+        s = {**s, "normalize_gates": resolve_gate_normalization(s, self.replay_mode == "full")}
         if self.is_token_policy:
             vocab = int(obs_space["tokens"].high.max()) + 1
             length = int(obs_space["tokens"].shape[0])
@@ -91,9 +99,6 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.log_std = nn.Parameter(torch.zeros(act_dim))
         if not self.inference_only:
             self.vf = mlp([vf_in, *s["vf_hiddens"]], 1)
-        # Training forwards replay in either mode (the trainer's view at the rollout's weights too:
-        # there a partial replay is a full one).
-        self.replay_routing = replay_mode(s) is not None
         self.topk_dtype = topk_dtype(s["num_experts"])
         self.compute_dtype = torch.float32
         if self.inference_only and s["inference_dtype"] == "bf16":
