@@ -98,6 +98,23 @@ def test_uneven_token_counts_with_token_dropping_do_not_crash(ray_local):
         g.shutdown()
 
 
+def test_deepspeed_learners_replay_the_token_trunks_capacity_drops(ray_local):
+    """The token trunk's capacity groups are its sequences, so a single-process learner needs no
+    replay for them; DeepSpeed's gate keeps a capacity of its own (trainer_capacity_factor), so
+    the DeepSpeed learners replay the rollout's drops."""
+    from envs.token_sequence import TokenSequenceEnv
+    env = TokenSequenceEnv(seq_len=8, prompt_len=4, vocab_size=4)
+    config = ds_config(capacity_factor=1.0, num_heads=2, max_seq_len=16)
+    local = MoEPolicyModule(observation_space=env.observation_space, action_space=env.action_space,
+                            model_config=config.model_config)
+    assert local.replay_mode is None
+    g = config.build_learner_group(env=env)
+    try:
+        assert g.foreach_learner(lambda learner: learner.module["default_policy"].replay_mode) == ["full", "full"]
+    finally:
+        g.shutdown()
+
+
 def test_shard_assembly_is_strict(group):
     shards = [s["default_policy"] for s in __import__("ray").get(group.publish_weights())]
     expected = set().union(*shards)

@@ -315,16 +315,19 @@ def test_resume_refuses_to_change_the_model(plain_run, capsys, args, needle):
 
 
 def test_a_run_from_before_a_new_model_key_resumes_from_a_relative_path(plain_run, tmp_path, monkeypatch):
-    """An older version's config.yaml lacks the moe keys added since (moe.positions): they count as
-    their defaults, which is what that run ran with. RUN_DIR relative to the working directory."""
+    """An older version's config.yaml lacks the moe keys added since: they count as what that run
+    ran with, the default (moe.positions) or, where the default has moved on, the old behaviour
+    (moe.normalize_gates: true). RUN_DIR relative to the working directory."""
     run = tmp_path / "older"
     shutil.copytree(plain_run[0], run)
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    del cfg["moe"]["positions"]
+    del cfg["moe"]["positions"], cfg["moe"]["normalize_gates"]
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--resume", "older", "--iterations", "5"]) == 0
     assert [r["iteration"] for r in rows(run)] == [1, 2, 3, 4, 5]
+    resumed = yaml.safe_load((run / "config.yaml").read_text())["moe"]
+    assert resumed["positions"] == "learned" and resumed["normalize_gates"] is True
 
 
 def test_resume_needs_a_good_checkpoint(tmp_path, capsys):

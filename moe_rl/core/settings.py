@@ -69,6 +69,17 @@ MOE_DEFAULTS: Dict[str, Any] = {
 
 
 
+# What a run saved before one of these keys existed ran with, where that differs from today's
+# default: filled in when its config.yaml is read back (resume, evaluate, drift-study), so an old
+# run keeps computing what it was trained to compute.
+MOE_BEFORE_KEY: Dict[str, Any] = {"normalize_gates": True}
+
+
+def saved_moe(moe: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved run's `moe` section with the keys it predates (MOE_BEFORE_KEY) filled in."""
+    return {**MOE_BEFORE_KEY, **moe}
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
