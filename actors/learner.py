@@ -63,7 +63,7 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
             if isinstance(m, MoEPolicyModule) and m.replay_mode is None and m.moe_settings["capacity_factor"]:
                 # DeepSpeed's gate keeps its own capacity (trainer_capacity_factor), not the token
                 # trunk's per-sequence one: the rollout's drops reach it only by replay.
-                m.replay_mode, m.replay_routing = "full", True
+                m.replay_mode = "full"
         return module
 
     def _make_modules_ddp_if_necessary(self) -> None:

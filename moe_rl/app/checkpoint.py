@@ -43,7 +43,7 @@ from moe_rl import __version__
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.app.run_config import BUILDER_SECTIONS
 from moe_rl.core.errors import ConfigError
-from moe_rl.core.settings import MOE_DEFAULTS, saved_moe
+from moe_rl.core.settings import MOE_DEFAULTS
 from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
@@ -381,22 +381,19 @@ def model_fields(resolved_config: Dict[str, Any]) -> Dict[str, Any]:
 
 def model_conflicts(saved: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
     """(field, saved value, new value) for every model field that differs. A `moe` key the saved
-    config lacks (a run from before the key existed, e.g. moe.positions) counts as its default, or
-    as what such runs ran with where that differs (MOE_BEFORE_KEY)."""
+    config lacks (a run from before the key existed, e.g. moe.positions) counts as its default
+    (where such runs ran with something else, reading config.yaml filled it in: saved_run_config)."""
     if isinstance(saved.get("moe"), dict):
-        saved = {**saved, "moe": {**MOE_DEFAULTS, **saved_moe(saved["moe"])}}
+        saved = {**saved, "moe": {**MOE_DEFAULTS, **saved["moe"]}}
     a, b = model_fields(saved), model_fields(new)
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
     """RUN_DIR/config.yaml as a run config again. It lists every resolved builder key, some of
-    which RLlib refuses to be given (deprecated aliases, whatever their value): those are dropped;
-    `moe` keys the run predates are filled in with what it ran with (saved_moe)."""
+    which RLlib refuses to be given (deprecated aliases, whatever their value): those are dropped."""
     cfg = copy.deepcopy(saved)
     cfg.pop("ray_address", None)
-    if isinstance(cfg.get("moe"), dict):
-        cfg["moe"] = saved_moe(cfg["moe"])
     for section in BUILDER_SECTIONS:
         kept = {}
         for k, v in (cfg.get(section) or {}).items():

@@ -42,7 +42,7 @@ from moe_rl.app.report import write_report
 from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
 from moe_rl.app.run_dir import RunDir
 from moe_rl.app.wandb_logger import WandbLogger
-from moe_rl.core.settings import ConfigError
+from moe_rl.core.settings import ConfigError, saved_run_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,7 +127,7 @@ def _resume_source(args):
     ckpt = ck.latest_good_checkpoint(args.resume)
     if ckpt is None:
         raise ConfigError(f"--resume: {args.resume!r} has no good checkpoint under checkpoints/ to continue from")
-    return load_run_config(os.path.join(args.resume, "config.yaml")), ckpt
+    return saved_run_config(load_run_config(os.path.join(args.resume, "config.yaml"))), ckpt
 
 
 def _check_resume(args, saved, new, other_config) -> None:

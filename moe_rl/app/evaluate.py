@@ -15,7 +15,7 @@ import envs  # noqa: F401  registers moe_rl/ envs
 from moe_rl.algo.multi_agent import import_path, validate_multi_agent
 from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy
 from moe_rl.core.errors import ConfigError
-from moe_rl.core.settings import saved_moe
+from moe_rl.core.settings import saved_run_config
 
 
 def _to_tensor(obs):
@@ -42,10 +42,7 @@ def load_run(run_dir: str, flag: str = "RUN_DIR") -> Tuple[dict, str]:
     if ckpt is None:
         raise ConfigError(f"{flag}: {run_dir!r} has no good checkpoint under checkpoints/")
     with open(cfg_path) as f:
-        cfg = yaml.safe_load(f)
-    if isinstance(cfg.get("moe"), dict):
-        cfg["moe"] = saved_moe(cfg["moe"])
-    return cfg, ckpt
+        return saved_run_config(yaml.safe_load(f)), ckpt
 
 
 def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:

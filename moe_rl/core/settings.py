@@ -75,9 +75,11 @@ MOE_DEFAULTS: Dict[str, Any] = {
 MOE_BEFORE_KEY: Dict[str, Any] = {"normalize_gates": True}
 
 
-def saved_moe(moe: Dict[str, Any]) -> Dict[str, Any]:
-    """A saved run's `moe` section with the keys it predates (MOE_BEFORE_KEY) filled in."""
-    return {**MOE_BEFORE_KEY, **moe}
+def saved_run_config(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """A saved run's config.yaml with the `moe` keys it predates (MOE_BEFORE_KEY) filled in."""
+    if isinstance(cfg.get("moe"), dict):
+        cfg = {**cfg, "moe": {**MOE_BEFORE_KEY, **cfg["moe"]}}
+    return cfg
 
 
 def _is_int(v) -> bool:

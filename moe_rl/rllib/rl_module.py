@@ -76,7 +76,6 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         # Training forwards replay in either mode (the trainer's view at the rollout's weights too:
         # there a partial replay is a full one).
         self.replay_mode = replay_mode(s, self.is_token_policy)
-        self.replay_routing = self.replay_mode is not None
         s = {**s, "normalize_gates": resolve_gate_normalization(s, self.replay_mode == "full")}
         if self.is_token_policy:
             vocab = int(obs_space["tokens"].high.max()) + 1
@@ -107,6 +106,10 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.pi.to(torch.bfloat16)
         if self.inference_only:
             self.eval()   # a rollout copy never trains; RLlib's per-forward eval() is then a no-op
+
+    @property
+    def replay_routing(self) -> bool:
+        return self.replay_mode is not None
 
     def train(self, mode: bool = True):
         # RLlib calls eval()/train() around every forward pass; nn.Module's recursive walk over the
