@@ -4,13 +4,15 @@ import math
 import pytest
 import torch
 
+from moe_rl.core.experts import FAST_TANH_MIN_ELEMENTS, tanh
 from moe_rl.core.layer import DISPATCH_PATHS, MoELayer
 from moe_rl.core.losses import load_balancing_loss, moe_aux_losses, replay_anchor_loss, router_z_loss
 from moe_rl.core.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
-from moe_rl.core.routers import balance_step, plackett_luce_logp
+from moe_rl.core.routers import balance_step, balancing_routers, plackett_luce_logp
 from moe_rl.core.routing import (
     OWN_CHOICE,
     RoutingRecord,
+    gate_weights,
     layer_disagreement,
     queue_positions,
     sequence_queue_positions,
@@ -212,6 +214,40 @@ def test_bias_router_moves_bias_against_load_at_optimizer_steps():
     assert b[0] < 0 and (b[1:] > 0).all()
 
 
+def test_only_routers_with_balancing_state_take_balance_steps():
+    layers = [MoELayer(8, 4, 1, router=r) for r in ("topk", "bias", "sinkhorn", "reinforce")]
+    model = torch.nn.ModuleList(layers)
+    assert balancing_routers(model) == [layers[1].router, layers[2].router]
+
+
+def test_the_plain_routers_gates_are_the_softmax_of_its_chosen_logits():
+    torch.manual_seed(0)
+    for normalize in (True, False):
+        layer = MoELayer(8, 6, 2, normalize_gates=normalize)
+        rec = layer(torch.randn(40, 8))[1]
+        assert torch.equal(rec.gate_weights, gate_weights(rec.router_logits, rec.top_k_indices, normalize))
+        assert torch.equal(rec.top_k_indices, rec.router_logits.topk(2).indices)
+
+
+def test_fast_tanh_is_tanh():
+    """Large fp32 CPU tensors take tanh through sigmoid (torch's CPU tanh is scalar code): the
+    values within 2e-7 of torch.tanh and the gradient is tanh's own; small tensors and other
+    dtypes get torch.tanh itself."""
+    torch.manual_seed(0)
+    x = (torch.randn(FAST_TANH_MIN_ELEMENTS + 5) * 4).requires_grad_()
+    y = tanh(x)
+    assert (y - torch.tanh(x)).abs().max().item() < 2.5e-7 and y.abs().max().item() <= 1.0
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    (ref,) = torch.autograd.grad(torch.tanh(x), x, torch.ones_like(y))
+    assert (g - ref).abs().max().item() < 1e-6
+    with torch.no_grad():
+        assert torch.equal(tanh(x), y.detach())
+    small = torch.randn(64, 8)
+    assert torch.equal(tanh(small), torch.tanh(small))
+    bf = torch.randn(FAST_TANH_MIN_ELEMENTS, dtype=torch.bfloat16)
+    assert torch.equal(tanh(bf), torch.tanh(bf))
+
+
 def test_balance_statistics_use_the_routers_own_choice_under_replay():
     """R3 regression: the rollout's replayed experts drive dispatch and gates, but the load
     balancing loss and health metrics count what the router itself picks now."""
@@ -226,6 +262,25 @@ def test_balance_statistics_use_the_routers_own_choice_under_replay():
         moe_aux_losses([rec], 1.0, 0.0)[1].item())
     assert moe_aux_losses([rec], 1.0, 0.0)[1].item() == pytest.approx(moe_aux_losses([own], 1.0, 0.0)[1].item())
     assert health_summary([rec])["moe/active_experts"] == health_summary([own])["moe/active_experts"] == 4
+
+
+def test_layers_aux_losses_taken_together_equal_the_per_layer_sums():
+    """moe_aux_losses computes every layer at once; value and router gradient are the per-layer
+    definitions summed (and the layer-by-layer fallback for records of other shapes agrees too)."""
+    torch.manual_seed(0)
+    logits = [torch.randn(50, 6, requires_grad=True) for _ in range(3)]
+    records = [RoutingRecord(lg.topk(2).indices, torch.ones(50, 2), lg) for lg in logits]
+    records[1].router_top_k = torch.zeros(50, 2, dtype=torch.long)      # one collapsed layer
+    total, aux, z = moe_aux_losses(records, 0.01, 0.001)
+    aux_ref = sum(load_balancing_loss(r.router_probs, r.router_top_k) for r in records)
+    z_ref = sum(router_z_loss(r.router_logits) for r in records)
+    assert aux.item() == pytest.approx(aux_ref.item(), rel=1e-6) and z.item() == pytest.approx(z_ref.item(), rel=1e-6)
+    grads = torch.autograd.grad(total, logits)
+    refs = torch.autograd.grad(0.01 * aux_ref + 0.001 * z_ref, logits)
+    assert all(torch.allclose(g, r, atol=1e-8) for g, r in zip(grads, refs))
+    mixed = records[:2] + [RoutingRecord(torch.zeros(7, 2, dtype=torch.long), torch.ones(7, 2), torch.randn(7, 6))]
+    assert moe_aux_losses(mixed, 1.0, 1.0)[1].item() == pytest.approx(
+        sum(load_balancing_loss(r.router_probs, r.router_top_k) for r in mixed).item(), rel=1e-6)
 
 
 def test_replay_anchor_is_the_router_mass_off_the_replayed_experts_where_it_drifted_and_pulls_it_back():

@@ -156,6 +156,26 @@ def test_gate_normalization_auto_is_off_exactly_under_full_replay(moe, normalize
         assert layers and all(m.router.normalize_gates is normalized for m in layers)
 
 
+def test_switching_the_modules_mode_reaches_every_submodule():
+    """MoEPolicyModule.train skips nn.Module's walk when the mode does not change (RLlib switches
+    it around every forward): a change still reaches every submodule (expert dropout, routers'
+    balancing statistics depend on it)."""
+    import gymnasium as gym
+
+    from moe_rl.rllib.rl_module import MoEPolicyModule
+    module = MoEPolicyModule(observation_space=gym.spaces.Box(-1, 1, (4,)), action_space=gym.spaces.Discrete(2),
+                             model_config={"moe": {}})
+    for mode in (True, False, False, True, True, False):
+        module.train(mode)
+        assert all(m.training is mode for m in module.modules())
+    module.train()
+    module.eval()
+    module.trunk.train()   # a submodule switched on its own is reset by the next change on the module
+    module.train()
+    module.eval()
+    assert not any(m.training for m in module.modules())
+
+
 def test_mismatched_replay_pins_only_flipped_tokens_and_costs_nothing_in_fp32(ray_local):
     """routing_replay "mismatched": in fp32 nothing differs at the rollout's weights, so training
     is the no-replay run to the last digit; a bf16 copy flips some tokens, and only those replay."""

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moe_rl.core.errors import need
-from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS, Experts
+from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS, Experts, Tanh
 from moe_rl.core.routers import build_router
 from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, queue_positions, sequence_queue_positions
 
@@ -135,7 +135,7 @@ class MoELayer(nn.Module):
 def dense_ffn_equal_active(d_model: int, d_ff: int, top_k: int, activation: str = "gelu") -> nn.Module:
     """The dense peer with the same *active* parameters as an MoE layer (k experts of width F)."""
     return nn.Sequential(nn.Linear(d_model, top_k * d_ff),
-                         {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh}[activation](),
+                         {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": Tanh}[activation](),
                          nn.Linear(top_k * d_ff, d_model))
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from moe_rl.core.experts import Tanh, tanh
 from moe_rl.core.layer import MoELayer
 from moe_rl.core.routing import RoutingRecord
 
@@ -73,7 +74,7 @@ class MoEMLPTrunk(nn.Module):
         if self.task_slice is not None:
             a, n = self.task_slice
             task_ids = obs[:, a:a + n].argmax(-1)
-        h = torch.tanh(self.embed(obs))
+        h = tanh(self.embed(obs))
         records: List[RoutingRecord] = []
         for i, block in enumerate(self.blocks):
             h, rec = maybe_checkpoint(self.checkpointing, block, h, _replay_for(replay, i), task_ids, explore)
@@ -175,7 +176,7 @@ class DualBranchHead(nn.Module):
     def __init__(self, d: int, out: int):
         super().__init__()
         self.linear = nn.Linear(d, out)
-        self.mlp = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, out))
+        self.mlp = nn.Sequential(nn.Linear(d, d), Tanh(), nn.Linear(d, out))
         for last in (self.linear, self.mlp[-1]):
             nn.init.normal_(last.weight, std=0.01)
             nn.init.zeros_(last.bias)
@@ -196,7 +197,7 @@ def policy_head(kind: str, d: int, out: int) -> nn.Module:
 def mlp(sizes: Sequence[int], out: int) -> nn.Sequential:
     layers, prev = [], sizes[0]
     for h in sizes[1:]:
-        layers += [nn.Linear(prev, h), nn.Tanh()]
+        layers += [nn.Linear(prev, h), Tanh()]
         prev = h
     layers.append(nn.Linear(prev, out))
     return nn.Sequential(*layers)

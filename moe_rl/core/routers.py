@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -110,17 +110,28 @@ class Router(nn.Module):
                 task_ids: Optional[torch.Tensor] = None, explore: bool = False) -> RoutingRecord:
         logits = self.logits(x)
         training_step = self.training and torch.is_grad_enabled()   # not a no-grad measurement
-        with torch.no_grad():
-            own = self.select(logits, explore)
-            if training_step:
-                self.observe(logits.detach(), own)
+        chosen = None
+        if replay_indices is None and self._greedy_on_logits:
+            # The plain top-k: its values are the chosen logits (one op fewer per layer and step).
+            chosen, own = logits.topk(self.top_k, dim=-1)
+        else:
+            with torch.no_grad():
+                own = self.select(logits, explore)
+        if training_step:
+            self.observe(logits.detach(), own)
         idx = own
         if replay_indices is not None:
             idx = replay_indices.to(device=x.device, dtype=torch.long)
             need(idx.shape == (x.shape[0], self.top_k), "replay_indices", f"shape {(x.shape[0], self.top_k)}",
                    tuple(idx.shape))
             idx = torch.where(idx >= self.num_experts, own, idx)   # OWN_CHOICE: not replayed
-        return RoutingRecord(idx, gate_weights(logits, idx, self.normalize_gates), logits, router_top_k=own)
+        return RoutingRecord(idx, gate_weights(logits, idx, self.normalize_gates, chosen), logits, router_top_k=own)
+
+    @property
+    def _greedy_on_logits(self) -> bool:
+        """Whether `select` is the top-k of the raw logits (no bias, no sampling)."""
+        cls = type(self)
+        return cls.select is Router.select and cls.selection_scores is Router.selection_scores
 
 
 class _SelectionBiasRouter(Router):
@@ -272,8 +283,12 @@ def build_router(kind: str, d_model: int, num_experts: int, top_k: int, **kw) ->
     return ROUTER_CLASSES[kind](d_model, num_experts, top_k, **kw)
 
 
+def balancing_routers(module: nn.Module) -> List[Router]:
+    """The routers of `module` that keep balancing state (a plain Router's balance_step does nothing)."""
+    return [m for m in module.modules() if isinstance(m, Router) and type(m).balance_step is not Router.balance_step]
+
+
 def balance_step(module: nn.Module, all_reduce: Optional[AllReduce] = None) -> None:
     """Apply every router's pending balancing update (call once per applied optimizer step)."""
-    for m in module.modules():
-        if isinstance(m, Router):
-            m.balance_step(all_reduce)
+    for m in balancing_routers(module):
+        m.balance_step(all_reduce)

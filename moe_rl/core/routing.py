@@ -94,12 +94,14 @@ def layer_disagreement(recorded_top_k: torch.Tensor, own_top_k: torch.Tensor) ->
     return (a != own_top_k.long().sort(-1).values).any(-1)
 
 
-def gate_weights(logits: torch.Tensor, indices: torch.Tensor, normalize: bool) -> torch.Tensor:
+def gate_weights(logits: torch.Tensor, indices: torch.Tensor, normalize: bool,
+                 chosen: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[T, k] combine weights of the chosen experts from the router's softmax: renormalised over
     the chosen k (normalize and k > 1), else the raw probability (Switch: top-1 keeps a router
     gradient). Always a function of the logits, so replayed and sampled selections still train
-    the router."""
-    chosen = logits.gather(1, indices)
+    the router. chosen: logits.gather(1, indices) when the caller has it already."""
+    if chosen is None:
+        chosen = logits.gather(1, indices)
     if normalize and indices.shape[1] > 1:
         return chosen.softmax(dim=-1)
     return (chosen - logits.logsumexp(dim=-1, keepdim=True)).exp()

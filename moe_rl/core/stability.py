@@ -305,6 +305,9 @@ class StabilityToolkit:
         self.group_of = {n: param_group(n) for n, _ in self.named}
         self.expert = {n: bool(is_expert(n)) for n, _ in self.named}
         self.groups = [g for g in PARAM_GROUPS if g in self.group_of.values()]
+        # Each tensor's slot in the collective vector (see _process), fixed for the toolkit's life.
+        self._slots = torch.tensor([1 + 2 * self.groups.index(self.group_of[n]) + int(self.expert[n])
+                                    for n, _ in self.named], dtype=torch.long)
         self.all_reduce_sum, self.world, self.ep = all_reduce_sum, world_size, ep_size
         self.step_count = 0       # applied optimizer steps: what every schedule counts
         self.skipped = 0          # lifetime skipped (non-finite) steps
@@ -356,7 +359,8 @@ class StabilityToolkit:
 
     def _process(self, base_lr: float, optimizer: torch.optim.Optimizer) -> Tuple[bool, Dict[str, float]]:
         s = self.s
-        grads = [(n, p.grad) for n, p in self.named if p.grad is not None]
+        present = [i for i, (_, p) in enumerate(self.named) if p.grad is not None]
+        grads = [(self.named[i][0], self.named[i][1].grad) for i in present]
         # One collective carries the non-finite flag and every group's squared norm, the latter
         # split into replicated tensors (slot 2i+1) and expert shards (slot 2i+2).
         vec = torch.zeros(1 + 2 * len(self.groups), dtype=torch.float64)
@@ -370,8 +374,7 @@ class StabilityToolkit:
                 if s["projection_rank"] is not None:
                     self._project(grads)
                 sq = torch.stack(torch._foreach_norm([g for _, g in grads])).double().pow(2)
-            slots = torch.tensor([1 + 2 * self.groups.index(self.group_of[n]) + int(self.expert[n])
-                                  for n, _ in grads])
+            slots = self._slots if len(present) == len(self.named) else self._slots[present]
             vec.index_add_(0, slots, torch.nan_to_num(sq, nan=0.0, posinf=0.0))
             vec[0] = float(s["skip_nonfinite"] and not finite)
         if self.all_reduce_sum is not None and self.world > 1:
@@ -380,8 +383,9 @@ class StabilityToolkit:
             vec[1::2] /= self.world
             vec[2::2] /= self.world / self.ep
         stats: Dict[str, float] = {}
-        sq = {g: (vec[1 + 2 * i] + vec[2 + 2 * i]).item() for i, g in enumerate(self.groups)}
-        if vec[0] > 0:            # some learner saw a non-finite gradient: nobody steps
+        values = vec.tolist()     # one conversion, not one .item() per group
+        sq = {g: values[1 + 2 * i] + values[2 + 2 * i] for i, g in enumerate(self.groups)}
+        if values[0] > 0:         # some learner saw a non-finite gradient: nobody steps
             self.skipped += 1
             for _, p in self.named:
                 p.grad = None
