@@ -10,10 +10,11 @@ parameters; the stock default model is left out there (it is far smaller).
 
 Per layout (runners x envs per runner) and algorithm it reports env steps/s (training included)
 and the env steps at which the mean training return first reached the target (every run goes on
-for --max-iterations). Speeds are the steady state: medians over iterations 2.. of the iteration,
-its sampling and its learner update, timed around the calls themselves (RLlib's `timers` are
-exponential averages that still weigh the first, warm-up iteration at about 0.9 after 15
-iterations).
+for --max-iterations). The layout's algorithms are built together and alternate iteration by
+iteration, so a change in the machine's speed during the run hits all of them alike. Speeds are
+the steady state: medians over iterations 2.. of the iteration, its sampling and its learner
+update, timed around the calls themselves (RLlib's `timers` are exponential averages that still
+weigh the first, warm-up iteration at about 0.9 after 15 iterations).
 """
 import argparse
 import contextlib
@@ -90,33 +91,34 @@ def phase_timers():
             m.synchronous_parallel_sample = fn
 
 
-def run(config, max_iterations, target):
-    algo = config.build_algo()
-    active = policy_params(algo)
-    algo.learner_group.update = timing("learn_s", algo.learner_group.update)
-    steps_to_target, t0, steps = None, time.perf_counter(), 0
-    per_iter = []
-    try:
-        for _ in range(max_iterations):
-            PHASES.update(sample_s=0.0, learn_s=0.0)
-            t_iter = time.perf_counter()
-            r = algo.train()
-            new_steps = r["env_runners"]["num_env_steps_sampled_lifetime"] - steps
-            steps += new_steps
-            per_iter.append({"iter_s": time.perf_counter() - t_iter, "steps": new_steps, **PHASES})
-            if steps_to_target is None and r["env_runners"].get("episode_return_mean", 0) >= target:
-                steps_to_target = steps   # every run goes on to max_iterations: equal footing for speed
-        wall = time.perf_counter() - t0
-    finally:
-        algo.stop()
-    steady = per_iter[1:] or per_iter
+class Run:
+    """One algorithm of a layout, trained an iteration at a time (the layout's algorithms alternate)."""
 
-    def median(key):
-        return statistics.median(it[key] for it in steady)
-    return {"env_steps": steps, "wall_s": wall, "steps_per_s_overall": steps / wall,
-            "steps_per_s": statistics.median(it["steps"] / it["iter_s"] for it in steady),
-            "steps_to_target": steps_to_target, "active_policy_params": active, "iterations": len(per_iter),
-            "sample_s": median("sample_s"), "learn_s": median("learn_s"), "per_iteration": per_iter}
+    def __init__(self, config, target):
+        self.algo = config.build_algo()
+        self.active = policy_params(self.algo)
+        self.algo.learner_group.update = timing("learn_s", self.algo.learner_group.update)
+        self.target, self.steps, self.steps_to_target, self.per_iter = target, 0, None, []
+
+    def iterate(self):
+        PHASES.update(sample_s=0.0, learn_s=0.0)
+        t_iter = time.perf_counter()
+        r = self.algo.train()
+        new_steps = r["env_runners"]["num_env_steps_sampled_lifetime"] - self.steps
+        self.steps += new_steps
+        self.per_iter.append({"iter_s": time.perf_counter() - t_iter, "steps": new_steps, **PHASES})
+        if self.steps_to_target is None and r["env_runners"].get("episode_return_mean", 0) >= self.target:
+            self.steps_to_target = self.steps   # every run goes on to max_iterations: equal footing for speed
+
+    def summary(self):
+        steady = self.per_iter[1:] or self.per_iter
+
+        def median(key):
+            return statistics.median(it[key] for it in steady)
+        return {"env_steps": self.steps, "steps_per_s": statistics.median(it["steps"] / it["iter_s"] for it in steady),
+                "steps_to_target": self.steps_to_target, "active_policy_params": self.active,
+                "iterations": len(self.per_iter), "sample_s": median("sample_s"), "learn_s": median("learn_s"),
+                "per_iteration": self.per_iter}
 
 
 def main():
@@ -129,25 +131,36 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     moe, training, algos = SIZES[args.size]
-    ray.init(include_dashboard=False, log_to_driver=False)
-    rows = []
     layouts = [tuple(int(v) for v in x.split("x")) for x in args.layouts.split(",")]
+    # A layout's algorithms are alive together and each env runner reserves one logical CPU: declare
+    # enough of them (logical only: one algorithm runs at a time, the machine's cores are shared).
+    ray.init(include_dashboard=False, log_to_driver=False,
+             num_cpus=max(os.cpu_count() or 1, len(algos) * max(r for r, _ in layouts)))
+    rows = []
     for runners, envs in layouts:
-        hidden = None
+        runs = {}
         for name in algos:   # moe_ppo first: the equal-active width follows its parameter count
             if name == "moe_ppo":
                 cfg = MoEPPOConfig().moe(**moe)
             elif name == "stock_ppo":
+                hidden = equal_active_hidden(runs["moe_ppo"].active)
                 cfg = PPOConfig().rl_module(model_config=DefaultModelConfig(
                     fcnet_hiddens=[hidden, hidden], fcnet_activation="tanh"))
             else:   # the model a user gets by default: 256 x 256 tanh
                 cfg = PPOConfig()
             cfg = (cfg.environment("CartPole-v1").training(**{**TRAINING, **training})
                    .env_runners(num_env_runners=runners, num_envs_per_env_runner=envs).debugging(seed=args.seed))
+            runs[name] = Run(cfg, args.target)
+        try:
             with phase_timers():
-                r = {"layout": f"{runners}x{envs}", "algo": name, **run(cfg, args.max_iterations, args.target)}
-            if name == "moe_ppo":
-                hidden = equal_active_hidden(r["active_policy_params"])
+                for _ in range(args.max_iterations):   # alternate: a slow spell of the machine hits every algorithm
+                    for run in runs.values():
+                        run.iterate()
+        finally:
+            for run in runs.values():
+                run.algo.stop()
+        for name, run in runs.items():
+            r = {"layout": f"{runners}x{envs}", "algo": name, **run.summary()}
             rows.append(r)
             print(f"{r['layout']:>5} {name:>13}  active policy params {r['active_policy_params']:>7}  "
                   f"{r['steps_per_s']:8.0f} env steps/s  sample {r['sample_s']:.2f}s learn {r['learn_s']:.2f}s  "
