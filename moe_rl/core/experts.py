@@ -158,7 +158,7 @@ class Experts(nn.Module):
             token = torch.full((N * cap,), T, dtype=torch.long, device=x.device).index_copy_(
                 0, row, torch.arange(T * k, device=x.device) // k)
         # index_select, not advanced indexing: its backward is an index_add, where indexing's is an
-        # accumulating index_put, 3-4x slower on 2 threads (bench/bench_moe_layer.py, BENCHMARKS.md).
+        # accumulating index_put, 3-4x slower on 2 threads (BENCHMARKS.md, the PPO section).
         xs = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, token).view(N, cap, -1)
         h = self.act(torch.baddbmm(self.b1.unsqueeze(1), xs, self.w1.transpose(1, 2)))
         ys = torch.baddbmm(self.b2.unsqueeze(1), h, self.w2).view(N * cap, -1).index_select(0, row)   # [T*k, d]

