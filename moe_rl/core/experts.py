@@ -40,10 +40,14 @@ from moe_rl.core.errors import need
 FAST_TANH_MIN_ELEMENTS = 1 << 14
 
 
+def _tanh_via_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x * 2).mul_(2).sub_(1)
+
+
 class _SigmoidTanh(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        y = torch.sigmoid(x * 2).mul_(2).sub_(1)
+        y = _tanh_via_sigmoid(x)
         ctx.save_for_backward(y)
         return y
 
@@ -59,17 +63,25 @@ def tanh(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x)
     if x.requires_grad and torch.is_grad_enabled():
         return _SigmoidTanh.apply(x)
-    return torch.sigmoid(x * 2).mul_(2).sub_(1)
-
-
-class Tanh(nn.Module):
-    """nn.Tanh with the fast CPU path of `tanh`."""
-
-    def forward(self, x):
-        return tanh(x)
+    return _tanh_via_sigmoid(x)
 
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu, "tanh": tanh}
+
+
+class Activation(nn.Module):
+    """One of ACTIVATIONS as a module (for nn.Sequential): the same function the experts apply."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        need(name in ACTIVATIONS, "activation", f"one of {tuple(ACTIVATIONS)}", name)
+        self.name, self.fn = name, ACTIVATIONS[name]
+
+    def forward(self, x):
+        return self.fn(x)
+
+    def extra_repr(self) -> str:
+        return self.name
 DISPATCH_PATHS = ("auto", "dense", "gathered", "grouped", "sorted")
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moe_rl.core.errors import need
-from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS, Experts, Tanh
+from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS, Activation, Experts
 from moe_rl.core.routers import build_router
 from moe_rl.core.routing import capacity, decode_top_k, expert_dropout, queue_positions, sequence_queue_positions
 
@@ -115,7 +115,7 @@ class MoELayer(nn.Module):
             else:
                 valid = seq_mask.reshape(-1, seq_mask.shape[-1])
                 B, L = valid.shape
-                cap = torch.ceil(self.capacity_factor * valid.sum(1).double() * self.top_k / self.num_experts)
+                cap = capacity(self.capacity_factor, valid.sum(1), self.top_k, self.num_experts)
                 pos = sequence_queue_positions(rec.top_k_indices.view(B, L, self.top_k), valid, self.num_experts)
                 rec.dropped = ((pos >= cap.view(B, 1, 1)) & valid.unsqueeze(-1)).reshape(B * L, self.top_k)
         if rec.dropped is not None:
@@ -134,9 +134,7 @@ class MoELayer(nn.Module):
 
 def dense_ffn_equal_active(d_model: int, d_ff: int, top_k: int, activation: str = "gelu") -> nn.Module:
     """The dense peer with the same *active* parameters as an MoE layer (k experts of width F)."""
-    return nn.Sequential(nn.Linear(d_model, top_k * d_ff),
-                         {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": Tanh}[activation](),
-                         nn.Linear(top_k * d_ff, d_model))
+    return nn.Sequential(nn.Linear(d_model, top_k * d_ff), Activation(activation), nn.Linear(top_k * d_ff, d_model))
 
 
 __all__ = ["MoELayer", "dense_ffn_equal_active", "ACTIVATIONS", "DISPATCH_PATHS"]

@@ -16,7 +16,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from moe_rl.core.experts import Tanh, tanh
+from moe_rl.core.experts import Activation, tanh
 from moe_rl.core.layer import MoELayer
 from moe_rl.core.routing import RoutingRecord
 
@@ -176,7 +176,7 @@ class DualBranchHead(nn.Module):
     def __init__(self, d: int, out: int):
         super().__init__()
         self.linear = nn.Linear(d, out)
-        self.mlp = nn.Sequential(nn.Linear(d, d), Tanh(), nn.Linear(d, out))
+        self.mlp = nn.Sequential(nn.Linear(d, d), Activation("tanh"), nn.Linear(d, out))
         for last in (self.linear, self.mlp[-1]):
             nn.init.normal_(last.weight, std=0.01)
             nn.init.zeros_(last.bias)
@@ -197,7 +197,7 @@ def policy_head(kind: str, d: int, out: int) -> nn.Module:
 def mlp(sizes: Sequence[int], out: int) -> nn.Sequential:
     layers, prev = [], sizes[0]
     for h in sizes[1:]:
-        layers += [nn.Linear(prev, h), Tanh()]
+        layers += [nn.Linear(prev, h), Activation("tanh")]
         prev = h
     layers.append(nn.Linear(prev, out))
     return nn.Sequential(*layers)

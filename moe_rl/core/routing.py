@@ -107,8 +107,11 @@ def gate_weights(logits: torch.Tensor, indices: torch.Tensor, normalize: bool,
     return (chosen - logits.logsumexp(dim=-1, keepdim=True)).exp()
 
 
-def capacity(capacity_factor: float, num_tokens: int, top_k: int, num_experts: int) -> int:
-    """Assignments one expert may take: ceil(cf * T * k / N)."""
+def capacity(capacity_factor: float, num_tokens, top_k: int, num_experts: int):
+    """Assignments one expert may take: ceil(cf * T * k / N). num_tokens: an int, or a tensor of
+    token counts (one capacity group each, e.g. per sequence) -> a float64 tensor of limits."""
+    if isinstance(num_tokens, torch.Tensor):
+        return torch.ceil(capacity_factor * num_tokens.double() * top_k / num_experts)
     return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
 
 
