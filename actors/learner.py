@@ -10,7 +10,6 @@ gradient of the mean loss over all learners' tokens.
 from __future__ import annotations
 
 import collections
-import copy
 import os
 import pickle
 import resource
@@ -28,6 +27,7 @@ from actors.deepspeed_moe import shard_moe_layers
 from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
 from moe_rl.core.stability import StabilityToolkit, validate_stability
+from moe_rl.core.state_copy import keep_state, restore_state
 from moe_rl.rllib.learner import MoEPPOTorchLearner
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
@@ -251,21 +251,17 @@ class LearnerActor:
 
     def keep_state(self) -> None:
         """Weights, optimizer moments, learner state and RNG, copied in memory (on the learner's
-        device): a snapshot per sync costs a memory copy, not a checkpoint write."""
-        self._kept = {"engines": {mid: ({k: v.detach().clone() for k, v in e.module.state_dict().items()},
-                                        copy.deepcopy(e.optimizer.state_dict()))
-                                  for mid, e in self.learner._engines.items()},
-                      "extra": copy.deepcopy(self._learner_extra())}
+        device, into the previous copy's buffers): a snapshot per sync costs a memory copy, not a
+        checkpoint write."""
+        engines = self.learner._engines
+        self._kept = keep_state({mid: e.module for mid, e in engines.items()},
+                                {mid: e.optimizer for mid, e in engines.items()}, self._learner_extra(),
+                                into=getattr(self, "_kept", None))
 
     def restore_kept_state(self) -> None:
-        for mid, (weights, optim) in self._kept["engines"].items():
-            engine = self.learner._engines[mid]
-            with torch.no_grad():
-                for k, v in engine.module.state_dict().items():
-                    v.copy_(weights[k])
-            # A deep copy: load_state_dict keeps the given tensors, which the next steps update in place.
-            engine.optimizer.load_state_dict(copy.deepcopy(optim))
-        self._set_learner_extra(copy.deepcopy(self._kept["extra"]))
+        engines = self.learner._engines
+        self._set_learner_extra(restore_state(self._kept, {mid: e.module for mid, e in engines.items()},
+                                              {mid: e.optimizer for mid, e in engines.items()}))
 
 
 # --- learner_rank_{r}.pt: plain data only, loaded without unpickling code --------------------------

@@ -28,12 +28,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
-from moe_rl.rllib.learner_group import LearnerGroupOps, learner_bundles
+from moe_rl.rllib.learner_group import KEPT, LearnerGroupOps, learner_bundles
 
 from .learner import LearnerActor
 
 GROUP_STATE = "group_state.json"
-KEPT = "kept-in-memory"   # a snapshot the learners hold themselves
 logger = logging.getLogger("moe_rl")
 
 

@@ -1,5 +1,6 @@
 """The sync gate: decisions matched to causes (pure), and every injected fault caught at the first
 check after it and recovered from, on real Ray, RLlib and DeepSpeed (moe_rl.algo.faults)."""
+import copy
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ from moe_rl.algo import faults
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.core.digests import differing, in_sample, sample_of, state_digests, tensor_digest
 from moe_rl.core.gate import GateState, RelativeLimit, validate_consistency
+from moe_rl.core.state_copy import keep_state, restore_state
 from moe_rl.rllib.runner import runner_digests
 
 # --- pure: the decisions ---------------------------------------------------------------------------
@@ -110,6 +112,34 @@ def test_probe_flips_count_only_above_the_margin():
     # token 2 kept its set (order does not matter).
     assert probe_flip_rate(old, new, margin=0.05) == pytest.approx(1 / 3)
     assert probe_flip_rate(old, new, margin=0.0) == pytest.approx(2 / 3)
+
+
+@pytest.mark.pure
+def test_the_kept_state_restores_weights_and_moments_exactly_and_reuses_its_buffers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step():
+        opt.zero_grad()
+        model(torch.randn(16, 4)).square().mean().backward()
+        opt.step()
+
+    step()
+    kept = keep_state({"m": model}, {"m": opt}, {"extra": torch.ones(3), "n": 1})
+    step()
+    again = keep_state({"m": model}, {"m": opt}, {"extra": torch.ones(3), "n": 2}, into=kept)
+    assert all(a.data_ptr() == b.data_ptr()
+               for a, b in zip(again["weights"]["m"].values(), kept["weights"]["m"].values()))
+    good = copy.deepcopy({"w": model.state_dict(), "o": opt.state_dict()})
+    for _ in range(2):              # restored twice: the kept copy survives the steps after a restore
+        step()
+        step()
+        extra = restore_state(again, {"m": model}, {"m": opt})
+        assert extra["n"] == 2 and extra["extra"] is not again["extra"]["extra"]
+        assert all(torch.equal(v, good["w"][k]) for k, v in model.state_dict().items())
+        for pid, st in opt.state_dict()["state"].items():
+            assert all(torch.equal(v, good["o"]["state"][pid][k]) for k, v in st.items())
 
 
 @pytest.mark.pure
@@ -226,11 +256,11 @@ def test_harmful_update_is_rolled_back_exactly_with_a_slower_retry(ray_local):
     algo = config(policy="rollback").build_algo()
     try:
         run(algo, 5)
-        before = algo.learner_group.snapshot()["learner"]
+        before = copy.deepcopy(algo.learner_group.get_state())["learner"]
         rows = run(algo, 1, inject_at=0, fault=faults.HarmfulUpdate(factor=1000))
         assert rows[0]["decision"] == "rollback" and rows[0]["cause"] == "bad_update"
         assert "k3_old_new" in rows[0]["reason"] and rows[0]["lr_scale_next"] == 0.5
-        after = algo.learner_group.snapshot()["learner"]   # weights and Adam moments as before, exactly
+        after = algo.learner_group.get_state()["learner"]   # weights and Adam moments as before, exactly
         for mid, w in before["rl_module"].items():
             assert all(np.array_equal(w[k], after["rl_module"][mid][k]) for k in w)
         for name, opt in before["optimizer"].items():

@@ -14,7 +14,8 @@ update / get_state / set_state / save_to_path / restore_from_path, both offer:
                                       (None: vs the parts the learners kept)
     load_shards(refs, inference_only) weights only, from published shards (a replica resync)
     trainer_view(data, replay)        the learners' own forward on rollout data
-    snapshot() / restore(snapshot)    the exact learner state (weights and optimizer moments)
+    snapshot() / restore(snapshot)    the exact learner state (weights and optimizer moments),
+                                      kept in the learners' own memory (KEPT) where it can be
     set_lr_scale(s)                   every learner's LR scale (a rollback's retry)
     tensor(module_id, name)           one tensor as every learner holds it (breach lines)
     dead_learners(error) / rebuild()  failures (RLlib's own group restarts its learners itself)
@@ -26,7 +27,6 @@ digests and the update-size terms are computed where the weights live; nobody ga
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import ray
@@ -38,6 +38,8 @@ from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from moe_rl.core.digests import Sample
 from moe_rl.core.sharding import assemble_modules
+
+KEPT = "kept-in-memory"   # a snapshot the learners hold themselves
 
 
 def learner_bundles(config) -> List[Dict[str, float]]:
@@ -149,15 +151,21 @@ class MoELearnerGroup(LearnerGroupOps, LearnerGroup):
     def trainer_view(self, data, replay: Optional[bool] = None):
         return self.publishers(lambda l: l.trainer_view(data, replay))[0]
 
-    def snapshot(self):
-        # A copy (get_state hands out the live tensors) without the weights' sequence number:
-        # Learner.set_state skips module weights whose number is not newer than its own.
-        state = copy.deepcopy(self.get_state())
-        state[COMPONENT_LEARNER].pop(WEIGHTS_SEQ_NO, None)
-        return state
+    def snapshot(self) -> str:
+        self.foreach(lambda l: l.keep_state())
+        return KEPT
 
-    def restore(self, snapshot) -> None:
-        self.set_state(snapshot)
+    def restore(self, snapshot: str) -> None:
+        restored = self.foreach_learner(lambda l: l.restore_kept_state())
+        kept = [r.actor_id for r in restored if r.ok and r.get()]
+        if not kept:
+            raise RuntimeError("no learner holds the last good state to restore")
+        if len(kept) < len(restored):
+            # A replica restarted since the snapshot: it takes a restored one's state (data-parallel
+            # replicas hold the same).
+            state = self.foreach_learner(lambda l: l.get_state(), remote_actor_ids=kept[:1])[0].get()
+            state[COMPONENT_LEARNER].pop(WEIGHTS_SEQ_NO, None)
+            self.set_state(state)
 
     def dead_learners(self, error=None) -> List[int]:
         return []
