@@ -143,6 +143,19 @@ def test_the_kept_state_restores_weights_and_moments_exactly_and_reuses_its_buff
 
 
 @pytest.mark.pure
+def test_the_finiteness_check_sees_every_nan_and_inf():
+    from moe_rl.rllib.learner import _all_finite
+    assert _all_finite(torch.randn(1000)) and _all_finite(torch.empty(0))
+    for n in (1, 17, 4097):
+        for pos in {0, n // 2, n - 1}:
+            for v in (float("nan"), float("inf"), -float("inf")):
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(n).to(dtype)
+                    x[pos] = v
+                    assert not _all_finite(x), (n, pos, v, dtype)
+
+
+@pytest.mark.pure
 def test_digests_are_exact_in_the_rollout_dtype():
     w = torch.randn(64, 64)
     assert tensor_digest(w, torch.bfloat16) == tensor_digest(w.to(torch.bfloat16))
