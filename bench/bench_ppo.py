@@ -13,8 +13,9 @@ and the env steps at which the mean training return first reached the target (ev
 for --max-iterations). The layout's algorithms are built together and alternate iteration by
 iteration, so a change in the machine's speed during the run hits all of them alike. Speeds are
 the steady state: medians over iterations 2.. of the iteration, its sampling and its learner
-update, timed around the calls themselves (RLlib's `timers` are exponential averages that still
-weigh the first, warm-up iteration at about 0.9 after 15 iterations).
+update (timed around the calls themselves; RLlib's `timers` are exponential averages that still
+weigh the first, warm-up iteration at about 0.9 after 15 iterations) and the rest (MoE-PPO's
+consistency check and weight sync, bookkeeping).
 """
 import argparse
 import contextlib
@@ -118,6 +119,8 @@ class Run:
         return {"env_steps": self.steps, "steps_per_s": statistics.median(it["steps"] / it["iter_s"] for it in steady),
                 "steps_to_target": self.steps_to_target, "active_policy_params": self.active,
                 "iterations": len(self.per_iter), "sample_s": median("sample_s"), "learn_s": median("learn_s"),
+                # the rest of the iteration: the consistency check and the weight sync (MoE-PPO), bookkeeping
+                "rest_s": statistics.median(it["iter_s"] - it["sample_s"] - it["learn_s"] for it in steady),
                 "per_iteration": self.per_iter}
 
 
@@ -163,7 +166,8 @@ def main():
             r = {"layout": f"{runners}x{envs}", "algo": name, **run.summary()}
             rows.append(r)
             print(f"{r['layout']:>5} {name:>13}  active policy params {r['active_policy_params']:>7}  "
-                  f"{r['steps_per_s']:8.0f} env steps/s  sample {r['sample_s']:.2f}s learn {r['learn_s']:.2f}s  "
+                  f"{r['steps_per_s']:8.0f} env steps/s  sample {r['sample_s']:.2f}s learn {r['learn_s']:.2f}s "
+                  f"rest {r['rest_s']:.2f}s  "
                   f"steps to {args.target:g}: {r['steps_to_target']}", flush=True)
     print("\nlayout  peer           moe/peer env steps/s  sample moe/peer  learn moe/peer")
     for runners, envs in layouts:
