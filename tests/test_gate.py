@@ -287,6 +287,33 @@ def test_harmful_update_is_rolled_back_exactly_with_a_slower_retry(ray_local):
 
 
 @pytest.mark.slow
+def test_a_replica_restarted_since_the_snapshot_takes_a_restored_ones_state(ray_local):
+    """Data-parallel RLlib learners each keep the last good state; one that lost it (a restart)
+    is given a restored replica's state."""
+    import gymnasium as gym
+    group = config().learners(num_learners=2).build_learner_group(env=gym.make("CartPole-v1"))
+    try:
+        def head(learner):
+            return learner.plain_module("default_policy").pi.weight.detach().clone()
+
+        def perturb(learner):
+            with torch.no_grad():
+                learner.plain_module("default_policy").pi.weight.add_(1.0)
+            learner.lr_scale = 0.25
+
+        token = group.snapshot()
+        good = group.foreach(head)
+        group.foreach(perturb)
+        restarted = group._worker_manager.actor_ids()[1:]
+        group.foreach_learner(lambda learner: learner.__dict__.pop("_kept"), remote_actor_ids=restarted)
+        group.restore(token)
+        assert all(torch.equal(w, good[0]) for w in group.foreach(head))
+        assert group.foreach(lambda learner: learner.lr_scale) == [1.0, 1.0]
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.slow
 def test_hold_keeps_rollouts_on_last_good_then_escalates(ray_local):
     algo = config(policy="hold", max_holds=2).build_algo()
     try:

@@ -183,8 +183,8 @@ class MoEPPOTorchLearner(PPOTorchLearner):
     # --- the sync gate's last good state, kept in this process ------------------------------------
     def keep_state(self) -> None:
         """Weights, optimizer moments and the rest of the learner state, copied here into the last
-        copy's buffers. (Through get_state the optimizer moments were converted to numpy and the
-        whole state deep-copied again: 0.83 s of an iteration at 33.6 M parameters, BENCHMARKS.md.)"""
+        copy's buffers: 0.05 s per sync at 33.6 M parameters, where a deep copy of get_state (the
+        moments converted to numpy, then everything copied again) took 0.3 s (BENCHMARKS.md)."""
         extra = self.get_state(not_components=[COMPONENT_RL_MODULE, COMPONENT_OPTIMIZER])
         extra.pop(WEIGHTS_SEQ_NO, None)   # the weights' sequence number moves on; only the state returns
         self._kept = keep_state(self._plain_modules(), self._named_optimizers, extra,

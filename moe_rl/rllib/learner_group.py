@@ -32,7 +32,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import ray
 import torch.distributed as dist
 from ray.rllib.algorithms.utils import _get_learner_bundles
-from ray.rllib.core import COMPONENT_LEARNER
 from ray.rllib.core.learner.learner_group import LearnerGroup
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
@@ -156,16 +155,17 @@ class MoELearnerGroup(LearnerGroupOps, LearnerGroup):
         return KEPT
 
     def restore(self, snapshot: str) -> None:
-        restored = self.foreach_learner(lambda l: l.restore_kept_state())
+        restored = list(self.foreach_learner(lambda l: l.restore_kept_state()))
         kept = [r.actor_id for r in restored if r.ok and r.get()]
+        lost = [r.actor_id for r in restored if not (r.ok and r.get())]
         if not kept:
             raise RuntimeError("no learner holds the last good state to restore")
-        if len(kept) < len(restored):
+        if lost:
             # A replica restarted since the snapshot: it takes a restored one's state (data-parallel
             # replicas hold the same).
-            state = self.foreach_learner(lambda l: l.get_state(), remote_actor_ids=kept[:1])[0].get()
-            state[COMPONENT_LEARNER].pop(WEIGHTS_SEQ_NO, None)
-            self.set_state(state)
+            state = next(iter(self.foreach_learner(lambda l: l.get_state(), remote_actor_ids=kept[:1]))).get()
+            state.pop(WEIGHTS_SEQ_NO, None)
+            self.foreach_learner(lambda l: l.set_state(state), remote_actor_ids=lost)
 
     def dead_learners(self, error=None) -> List[int]:
         return []
