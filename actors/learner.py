@@ -253,15 +253,15 @@ class LearnerActor:
         """Weights, optimizer moments, learner state and RNG, copied in memory (on the learner's
         device, into the previous copy's buffers): a snapshot per sync costs a memory copy, not a
         checkpoint write."""
-        engines = self.learner._engines
-        self._kept = keep_state({mid: e.module for mid, e in engines.items()},
-                                {mid: e.optimizer for mid, e in engines.items()}, self._learner_extra(),
-                                into=getattr(self, "_kept", None))
+        self._kept = keep_state(*self._engine_parts(), self._learner_extra(), into=getattr(self, "_kept", None))
 
     def restore_kept_state(self) -> None:
+        self._set_learner_extra(restore_state(self._kept, *self._engine_parts()))
+
+    def _engine_parts(self):
+        """({module_id: module}, {module_id: optimizer}) of the DeepSpeed engines."""
         engines = self.learner._engines
-        self._set_learner_extra(restore_state(self._kept, {mid: e.module for mid, e in engines.items()},
-                                              {mid: e.optimizer for mid, e in engines.items()}))
+        return {mid: e.module for mid, e in engines.items()}, {mid: e.optimizer for mid, e in engines.items()}
 
 
 # --- learner_rank_{r}.pt: plain data only, loaded without unpickling code --------------------------

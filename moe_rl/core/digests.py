@@ -88,9 +88,17 @@ def differing(expected: Mapping[str, Digest], actual: Mapping[str, Digest]) -> L
     return sorted(n for n in names if n not in expected or n not in actual or expected[n][3] != actual[n][3])
 
 
+def _as_double(value) -> torch.Tensor:
+    # A fp64 copy made by numpy: the arrays from Ray's object store (breach lines) are read-only,
+    # and torch warns about sharing their memory.
+    if isinstance(value, torch.Tensor):
+        return value.detach().double()
+    return torch.from_numpy(np.array(value, dtype=np.float64))
+
+
 def max_abs_diff(a, b) -> float:
     """max |a - b| in fp64 (inf for a shape mismatch, nan propagates as inf)."""
-    ta, tb = as_tensor(a).double(), as_tensor(b).double()
+    ta, tb = _as_double(a), _as_double(b)
     if ta.shape != tb.shape:
         return float("inf")
     if not ta.numel():

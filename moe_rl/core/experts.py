@@ -82,6 +82,8 @@ class Activation(nn.Module):
 
     def extra_repr(self) -> str:
         return self.name
+
+
 DISPATCH_PATHS = ("auto", "dense", "gathered", "grouped", "sorted")
 
 

@@ -47,6 +47,8 @@ BALANCE_STATE = "moe_rl_balance"
 
 
 def _copied_tensor(x) -> torch.Tensor:
+    """A tensor of its own: numpy arrays from Ray's object store are read-only, and torch warns
+    about sharing their memory."""
     return torch.from_numpy(np.array(x))
 
 
@@ -309,8 +311,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
                 old = reference.get(mid, {}).get(name)
                 if old is None or not new.is_floating_point():
                     continue
-                # (a copy of a numpy part: the object store's are read-only)
-                old = old if isinstance(old, torch.Tensor) else torch.tensor(np.asarray(old), dtype=torch.float32)
+                old = old if isinstance(old, torch.Tensor) else _copied_tensor(old)
                 # fp32 sums (torch's cascade summation: within 1e-7 of fp64 on an 8.4 M-element
                 # tensor), without fp64 copies of both tensors: 3x faster.
                 a, b = old.to(new.device, torch.float32), new.detach().float()
@@ -342,7 +343,6 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         out = {}
         for mid, d in data.items():
             module = self.plain_module(mid)
-            # Copies: arrays from Ray's object store are read-only, which torch warns about sharing.
             batch = {Columns.OBS: tree.map_structure(_copied_tensor, d["obs"])}
             if (module.replay_routing if replay is None else replay) and d.get("topk") is not None:
                 batch[MOE_TOPK] = _copied_tensor(d["topk"])

@@ -155,9 +155,9 @@ class MoELearnerGroup(LearnerGroupOps, LearnerGroup):
         return KEPT
 
     def restore(self, snapshot: str) -> None:
-        restored = list(self.foreach_learner(lambda l: l.restore_kept_state()))
-        kept = [r.actor_id for r in restored if r.ok and r.get()]
-        lost = [r.actor_id for r in restored if not (r.ok and r.get())]
+        restored = {r.actor_id: r.ok and r.get() for r in self.foreach_learner(lambda l: l.restore_kept_state())}
+        kept = [actor for actor, ok in restored.items() if ok]
+        lost = [actor for actor, ok in restored.items() if not ok]
         if not kept:
             raise RuntimeError("no learner holds the last good state to restore")
         if lost:
