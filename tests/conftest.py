@@ -1,4 +1,7 @@
 import os
+import secrets
+import sys
+import time
 
 # Keep every Ray that the tests start on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -8,6 +11,12 @@ _tests = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_tests, os.environ.get("PYTHONPATH")) if p)
 
 import pytest
+import ray_processes
+
+# Every process the suite starts (Ray heads, embedded Rays of CLI runs, workers) inherits this mark:
+# at session end, none of them may be left (and none of anyone else's is touched).
+SUITE_MARK = f"{os.getpid()}-{secrets.token_hex(4)}"
+os.environ[ray_processes.SUITE_MARKER] = SUITE_MARK
 
 
 @pytest.fixture(scope="module")
@@ -17,3 +26,30 @@ def ray_local():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def pytest_runtest_teardown(item):
+    # Before the test's fixtures are torn down: an in-process Ray of a module fixture is still up.
+    ray_processes.record(ray_processes.marked_ray_processes(SUITE_MARK))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No Ray process the suite started is left running: checked by the recorded pids (with their
+    start times) and by the suite's environment mark; any left are killed and the session fails."""
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        sys.modules["ray"].shutdown()   # what Ray's atexit hook would do a moment later
+    deadline = time.monotonic() + 30    # workers exit shortly after their raylet
+    while True:
+        left = {p.pid: p for p in ray_processes.recorded_alive() + ray_processes.marked_ray_processes(SUITE_MARK)}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if left:
+        sys.stderr.write(f"\nconftest: the suite left {len(left)} Ray process(es) running (now killed): "
+                         f"{ray_processes.describe(left.values())}\n")
+        for proc in left.values():
+            try:
+                proc.kill()
+            except Exception:
+                pass
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

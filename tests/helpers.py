@@ -1,11 +1,12 @@
 """Helpers the tests share: small DeepSpeed configs and batches, Adam moments, a real local Ray head."""
 import contextlib
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import sys
-import time
+import tempfile
 
 import gymnasium as gym
 import numpy as np
@@ -15,6 +16,8 @@ from ray.rllib.core.columns import Columns
 from moe_rl import MoEPPOConfig
 from moe_rl.core.losses import moe_aux_losses
 from moe_rl.rllib.rl_module import MOE_ROUTING
+
+import ray_processes
 
 ENV = gym.make("CartPole-v1")
 RNG = np.random.default_rng(0)
@@ -59,19 +62,37 @@ def free_port():
 @contextlib.contextmanager
 def local_head(*start_args, start_env=None):
     """A real Ray head on loopback (started with the CLI, as a user would), stopped afterwards.
-    Yields (ray CLI path, client env, dashboard address)."""
+    It has its own temp dir, ports and auth token, and a process session of its own: stopping it
+    kills that session's processes only. Never `ray stop`: it stops every Ray on the host, a user's
+    training run included. Yields (ray CLI path, client env whose RAY_ADDRESS is this head's GCS,
+    dashboard address)."""
     bindir = os.path.dirname(sys.executable)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-           "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    if "--port" not in start_args:
+        start_args = ("--port", str(free_port()), *start_args)
+    port = start_args[start_args.index("--port") + 1]
+    temp_dir = tempfile.mkdtemp(prefix="moerl-ray-", dir="/tmp")   # short: Ray's socket paths
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {**base, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": secrets.token_hex(32), "PATH": bindir + os.pathsep + os.environ["PATH"]}
     ray_cli = shutil.which("ray", path=env["PATH"])
     dash = free_port()
-    # A port of its own for the job agent too: its default (52365) may be another Ray's on this host.
-    subprocess.run([ray_cli, "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
-                    "--dashboard-agent-listen-port", str(free_port()), "--disable-usage-stats", *start_args],
-                   env={**env, **(start_env or {})},
-                   check=True, capture_output=True, timeout=120)
+    # Ports of its own for the job agent and the client server too: their defaults (52365, 10001)
+    # may be another Ray's on this host. ("auto" would find another Ray's head: RAY_ADDRESS is set.)
+    start = subprocess.Popen(
+        [ray_cli, "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+         "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
+         "--temp-dir", temp_dir, "--disable-usage-stats", *start_args],
+        env={**env, **(start_env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    session = start.pid   # the head's processes keep this session id (workers too)
     try:
-        yield ray_cli, env, f"http://127.0.0.1:{dash}"
+        out, _ = start.communicate(timeout=120)
+        ray_processes.record(ray_processes.session_processes(session))
+        if start.returncode != 0:
+            raise RuntimeError(f"ray start failed ({start.returncode}): {out[-3000:]}")
+        yield ray_cli, {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, f"http://127.0.0.1:{dash}"
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
-        time.sleep(1)
+        start.kill()
+        start.wait(30)
+        ray_processes.kill_session(session)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -19,7 +19,7 @@ TINY = ["--set", "stop_return=null", "--set", "training.train_batch_size_per_lea
         "--set", "moe.d_ff=16"]
 LEFTOVERS = ("import ray, json\n"
              "from ray.util.state import list_actors, list_placement_groups\n"
-             "ray.init(address='auto', log_to_driver=False)\n"
+             "ray.init(log_to_driver=False)\n"
              "print(json.dumps({'actors': [a.class_name for a in list_actors(filters=[('state', '!=', 'DEAD')])],\n"
              "                  'pgs': [p.state for p in list_placement_groups() if p.state != 'REMOVED']}))\n")
 
@@ -32,7 +32,7 @@ def moe_rl_cli(env, *args, timeout=240):
 
 
 def leftovers(env):
-    out = subprocess.run([sys.executable, "-c", LEFTOVERS], env={**env, "RAY_ADDRESS": "auto"},
+    out = subprocess.run([sys.executable, "-c", LEFTOVERS], env=env,
                          capture_output=True, text=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -42,7 +42,7 @@ def test_a_run_a_fixed_cluster_can_never_hold_fails_at_once_and_says_what_fits(t
     """The issue's case: a 2-CPU head, 1 env runner + 2 learners (ep_size 2)."""
     with local_head("--port", str(free_port()), "--num-cpus", "2") as (_, env, _address):
         out = tmp_path / "run"
-        p, took = moe_rl_cli({**env, "RAY_ADDRESS": "auto"}, "train", "--num-learners", "2", "--ep-size", "2",
+        p, took = moe_rl_cli(env, "train", "--num-learners", "2", "--ep-size", "2",
                              "--output", str(out), *TINY)
         assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
         assert took < 60
@@ -61,15 +61,15 @@ def test_a_run_that_waits_says_so_and_gives_up_cleanly(tmp_path):
     actors wait, then exit 1 at cluster.wait_timeout_s with nothing of the run left behind."""
     with local_head("--port", str(free_port()), "--num-cpus", "3") as (_, env, _address):
         hog = subprocess.Popen([sys.executable, "-c",
-                                "import ray, time\nray.init(address='auto', log_to_driver=False)\n"
+                                "import ray, time\nray.init(log_to_driver=False)\n"
                                 "@ray.remote(num_cpus=2)\nclass Hog:\n    def ok(self): return 1\n"
                                 "h = Hog.remote(); ray.get(h.ok.remote()); print('HOG', flush=True)\n"
                                 "time.sleep(600)\n"],
-                               env={**env, "RAY_ADDRESS": "auto"}, stdout=subprocess.PIPE, text=True)
+                               env=env, stdout=subprocess.PIPE, text=True)
         try:
             assert hog.stdout.readline().strip() == "HOG"
             out = tmp_path / "run"
-            p, took = moe_rl_cli({**env, "RAY_ADDRESS": "auto"}, "train", "--num-learners", "2", "--ep-size", "2",
+            p, took = moe_rl_cli(env, "train", "--num-learners", "2", "--ep-size", "2",
                                  "--output", str(out), "--set", "cluster.wait_timeout_s=8", *TINY)
             assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
             assert "moe-rl: waiting" in p.stdout and "no autoscaler" in p.stdout and "giving up in" in p.stdout
