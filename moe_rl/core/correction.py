@@ -30,6 +30,7 @@ from moe_rl.core.errors import ConfigError, need
 from moe_rl.core.routing import layer_disagreement
 
 SAFETY = 20.0   # log-ratio clamp before exp: weights stay finite whatever the mismatch
+WIDE = 1e4       # |log| of any positive float64 is below 745
 IS_LEVELS = (None, "token", "sequence")
 RS_LEVELS = (None, "token", "sequence", "geometric")
 ROUTING_RS = ("off", "any", "share")
@@ -89,6 +90,14 @@ def resolve_correction(d: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         positive("rs_threshold_lower")
         need(s["rs_threshold_lower"] <= s["rs_threshold"], f + "rs_threshold_lower",
              f"<= rs_threshold={s['rs_threshold']}", s["rs_threshold_lower"])
+    # The kept interval [L, U] must contain 1, so a step on which rollout and trainer agree (ratio
+    # 1) is never rejected: U < 1 with the default L = 1/U > U would reject every step of a run.
+    interval = "[" + ("1/rs_threshold" if s["rs_threshold_lower"] is None else "rs_threshold_lower") + ", rs_threshold]"
+    need(s["rs_threshold"] >= 1, f + "rs_threshold", f"a number >= 1 (the kept interval {interval} must contain "
+         "the ratio 1)", s["rs_threshold"])
+    if s["rs_threshold_lower"] is not None:
+        need(s["rs_threshold_lower"] <= 1, f + "rs_threshold_lower", f"a number <= 1 (the kept interval {interval} "
+             "must contain the ratio 1)", s["rs_threshold_lower"])
     if s["veto_threshold"] is not None:
         positive("veto_threshold")
     need(isinstance(s["routing_rs_share"], (int, float)) and 0 <= s["routing_rs_share"] < 1,
@@ -124,26 +133,29 @@ def correct(log_ratio: torch.Tensor, valid: torch.Tensor, seq: torch.Tensor, s: 
     """log_ratio [N] = log pi_old - log pi_rollout of the taken actions; valid [N] bool (rows that
     count); seq [N] sequence ids; routing_disagrees [N] bool (for routing RS).
     -> (IS weights [N] (1 where IS is off), keep [N] bool (valid and not rejected), metrics)."""
-    lr = torch.nan_to_num(log_ratio.double(), nan=-SAFETY, posinf=SAFETY, neginf=-SAFETY).clamp(-SAFETY, SAFETY)
+    # NaN is an unusable step, as bad as a ratio of 0. Rejection and the veto compare in log space,
+    # unclamped (a threshold below e^-SAFETY must still fire); WIDE lies beyond the log of any float64
+    # threshold and only keeps a sequence's sum finite when a token's ratio is 0 or inf.
+    raw = torch.nan_to_num(log_ratio.double(), nan=-math.inf).clamp(-WIDE, WIDE)
+    lr = raw.clamp(-SAFETY, SAFETY)   # what is exponentiated: the weights stay finite
     valid = valid.bool()
     n_seq = int(seq.max().item()) + 1 if seq.numel() else 0
-    lr_valid = torch.where(valid, lr, torch.zeros_like(lr))
-    seq_sum = _per_sequence_sum(lr_valid, seq, n_seq)
+    seq_sum = _per_sequence_sum(torch.where(valid, raw, torch.zeros_like(raw)), seq, n_seq)
     seq_len = _per_sequence_sum(valid.double(), seq, n_seq).clamp_min(1)
     keep = valid.clone()
     metrics: Dict[str, float] = {}
-    token_ratio = lr.exp()
 
     weights = torch.ones_like(lr)
     if s["is_level"]:
-        raw = token_ratio if s["is_level"] == "token" else seq_sum.clamp(-SAFETY, SAFETY).exp()[seq]
-        weights = raw.clamp(max=s["is_threshold"])
-        metrics["correction/is_truncated_fraction"] = _mean((raw > s["is_threshold"]).double(), valid)
+        seq_ratio = seq_sum.clamp(-SAFETY, SAFETY).exp()
+        raw_w = lr.exp() if s["is_level"] == "token" else seq_ratio[seq]
+        weights = raw_w.clamp(max=s["is_threshold"])
+        metrics["correction/is_truncated_fraction"] = _mean((raw_w > s["is_threshold"]).double(), valid)
     if s["rs_level"]:
         upper = s["rs_threshold"]
         lower = s["rs_threshold_lower"] if s["rs_threshold_lower"] is not None else 1.0 / upper
         if s["rs_level"] == "token":
-            stat = lr
+            stat = raw
         elif s["rs_level"] == "sequence":
             stat = seq_sum[seq]
         else:
@@ -152,7 +164,7 @@ def correct(log_ratio: torch.Tensor, valid: torch.Tensor, seq: torch.Tensor, s: 
         metrics["correction/rs_rejected_fraction"] = _mean((~ok).double(), valid)
         keep &= ok
     if s["veto_threshold"]:
-        catastrophic = valid & (lr < math.log(s["veto_threshold"]))
+        catastrophic = valid & (raw < math.log(s["veto_threshold"]))
         vetoed = _per_sequence_sum(catastrophic.double(), seq, n_seq) > 0
         metrics["correction/veto_fraction"] = float(vetoed.double().mean()) if n_seq else 0.0
         keep &= ~vetoed[seq]
@@ -163,7 +175,11 @@ def correct(log_ratio: torch.Tensor, valid: torch.Tensor, seq: torch.Tensor, s: 
         metrics["correction/routing_rejected_fraction"] = _mean(bad.double(), valid)
         keep &= ~bad
     if s["is_batch_normalize"] and s["is_level"] and bool(keep.any()):
-        weights = weights / weights[keep].mean()
+        if s["is_level"] == "sequence":   # as verl: the mean over the kept sequences, each counted once
+            kept_seqs = _per_sequence_sum(keep.double(), seq, n_seq) > 0
+            weights = weights / seq_ratio[kept_seqs].clamp(max=s["is_threshold"]).mean()
+        else:
+            weights = weights / weights[keep].mean()
     metrics.update(offpolicy_metrics(lr, weights, keep, valid, n_seq, seq))
     return weights.to(log_ratio.dtype), keep, metrics
 

@@ -1,6 +1,8 @@
 """Router losses (pure torch). Shapes: T tokens, N experts, k slots per token."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from moe_rl.core.metrics import topk_sets_equal
@@ -25,17 +27,25 @@ def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(router_logits.float(), dim=-1).pow(2).mean()
 
 
-def reinforce_router_loss(record: RoutingRecord, reward: torch.Tensor) -> torch.Tensor:
+def reinforce_router_loss(record: RoutingRecord, reward: torch.Tensor,
+                          mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Policy-gradient loss for a ReinforceRouter: -(R - b)·log p(selection) + (R - b)^2.
 
     reward: [T] per-token signal (e.g. the PPO advantage). The baseline is trained by regression;
-    the router's advantage uses the detached baseline.
+    the router's advantage uses the detached baseline. mask: [T] bool, the tokens that count (PPO's
+    loss mask: rejected and phantom steps leave the loss and its denominator, as in the PPO loss);
+    none counts: 0, with no gradient.
     """
     if record.selection_logp is None or record.baseline is None:
         raise ValueError("record: reinforce_router_loss needs a record from the 'reinforce' router")
     reward = reward.reshape(-1).to(record.baseline.dtype)
-    adv = (reward - record.baseline).detach()
-    return -(adv * record.selection_logp).mean() + (reward - record.baseline).pow(2).mean()
+    logp, baseline = record.selection_logp, record.baseline
+    if mask is not None:   # selected, not multiplied by 0: a masked step's -inf log-prob stays out
+        mask = mask.reshape(-1).bool()
+        reward, logp, baseline = reward[mask], logp[mask], baseline[mask]
+    n = max(int(reward.numel()), 1)
+    adv = (reward - baseline).detach()
+    return (-(adv * logp).sum() + (reward - baseline).pow(2).sum()) / n
 
 
 def moe_aux_losses(records, aux_coef: float, z_coef: float):

@@ -36,7 +36,7 @@ from moe_rl.core.stability import (
     validate_stability,
 )
 from moe_rl.core.state_copy import keep_state, restore_state
-from moe_rl.rllib.correction import RolloutCorrection, routing_flags
+from moe_rl.rllib.correction import RolloutCorrection, SkippedSteps, routing_flags
 from moe_rl.rllib.replay import MismatchedReplay
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
 
@@ -44,6 +44,7 @@ STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"      # PPO's adaptive KL coefficients (RLlib's state leaves them out)
 LR_SCALE = "moe_rl_lr_scale"
 BALANCE_STATE = "moe_rl_balance"
+SKIPPED_STEPS = "moe_rl_skipped_steps"   # steps and updates skipped because the correction kept no step
 
 
 def _copied_tensor(x) -> torch.Tensor:
@@ -73,6 +74,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         # custom gradient surgery, or fault injection in tests.
         self.grad_hooks: List[Callable] = []
         self.lr_scale = 1.0   # < 1 for the retry after a sync-gate rollback
+        self.skipped_steps = SkippedSteps()   # steps where the rollout correction kept nothing
         super().build()
         if self._learner_connector is not None and any(
                 isinstance(m, MoEPolicyModule) and m.replay_mode == "mismatched"
@@ -117,11 +119,21 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         """Run the gradient hooks and the toolkit on this module's .grad; True: take the step.
         Its figures are logged once per update (after_gradient_based_update).
         Collective under the DeepSpeed learner group: every learner calls it once per step."""
+        if active(self.correction) and not self.skipped_steps.anything_kept(module_id):
+            for p in self._module[module_id].parameters():   # no step: neither the aux losses alone
+                p.grad = None                                # nor Adam's momentum move a weight
+            return False
         for hook in self.grad_hooks:
             hook(self, module_id)
         lr_schedule = self._optimizer_lr_schedules.get(optimizer)
         base_lr = lr_schedule.get_current_value() if lr_schedule is not None else self.config.lr
         return self._stability[module_id].process(float(base_lr) * self.lr_scale, optimizer)
+
+    def _update_module_kl_coeff(self, *, module_id, config, kl_loss) -> None:
+        """An update whose last minibatch kept no step has no KL (NaN): the coefficient stays."""
+        if kl_loss != kl_loss and self.skipped_steps.last.get(module_id, {}).get("skipped"):
+            return
+        super()._update_module_kl_coeff(module_id=module_id, config=config, kl_loss=kl_loss)
 
     def after_step(self, module_id) -> None:
         """After an applied optimizer step: routers' balancing state, then the dropout schedule."""
@@ -154,6 +166,10 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         """Once per update, not per minibatch: the toolkit's last figures (group norms, LRs,
         skipped steps) and the health metrics: the load over the whole update's minibatches,
         entropy and logit statistics of the last minibatch's routing."""
+        for module_id in self._stability:   # before PPO's KL-coefficient update reads them
+            if active(self.correction):
+                self._loss_stats.setdefault(module_id, {}).update(self.skipped_steps.end_update(
+                    module_id, warn=not self.config.consistency_settings.get("enabled", True)))
         super().after_gradient_based_update(timesteps=timesteps)
         for module_id, toolkit in self._stability.items():
             stats = {**toolkit.last_stats, **self._loss_stats.pop(module_id, {})}
@@ -168,6 +184,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         state[KL_COEFFS] = {mid: v.detach().cpu().clone() for mid, v in self.curr_kl_coeffs_per_module.items()}
         state[LR_SCALE] = self.lr_scale
         state[BALANCE_STATE] = {mid: b.get_state() for mid, b in self._balance.items()}
+        state[SKIPPED_STEPS] = self.skipped_steps.get_state()
         return state
 
     def set_state(self, state) -> None:
@@ -179,8 +196,10 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         self.lr_scale = float(state.get(LR_SCALE, self.lr_scale))
         for mid, b_state in state.get(BALANCE_STATE, {}).items():
             self._balance_for(mid, len(b_state["loads"])).set_state(b_state)
+        if SKIPPED_STEPS in state:
+            self.skipped_steps.set_state(state[SKIPPED_STEPS])
         super().set_state({k: v for k, v in state.items()
-                           if k not in (STABILITY_STATE, KL_COEFFS, LR_SCALE, BALANCE_STATE)})
+                           if k not in (STABILITY_STATE, KL_COEFFS, LR_SCALE, BALANCE_STATE, SKIPPED_STEPS)})
 
     # --- the sync gate's last good state, kept in this process ------------------------------------
     def keep_state(self) -> None:
@@ -214,6 +233,9 @@ class MoEPPOTorchLearner(PPOTorchLearner):
             self._bypass_rejection(module_id, batch, fwd_out, records)
         total = super().compute_loss_for_module(module_id=module_id, config=config, batch=batch,
                                                 fwd_out=fwd_out)
+        kept = None
+        if active(self.correction) and Columns.LOSS_MASK in batch:
+            kept = self.skipped_steps.minibatch(module_id, int(batch[Columns.LOSS_MASK].sum()))
         if not records:
             return total
         module = self.plain_module(module_id)
@@ -235,12 +257,18 @@ class MoEPPOTorchLearner(PPOTorchLearner):
             stats["replay_anchor_loss"] = anchor.detach()
         reinforce = [r for r in records if r.selection_logp is not None]
         if reinforce:  # REINFORCE router: the PPO advantage is the routing reward
-            rl = sum(reinforce_router_loss(r, batch[Postprocessing.ADVANTAGES]) for r in reinforce)
+            mask = batch.get(Columns.LOSS_MASK)   # rejected and phantom steps train no router either
+            rl = sum(reinforce_router_loss(r, batch[Postprocessing.ADVANTAGES], mask) for r in reinforce)
             extra = extra + s["reinforce_loss_coef"] * rl
             stats["reinforce_router_loss"] = rl.detach()
         # Logged once per update (after_gradient_based_update), like the health metrics: the
         # metrics logger costs about 0.1 ms a call, per minibatch.
         self._loss_stats[module_id] = stats
+        if kept == 0:
+            # PPO's masked mean over no step is 0/0. The step is skipped (stability_step); the
+            # backward pass still runs on every learner (DDP and DeepSpeed reduce collectively), so
+            # the loss is a zero with the graph's shape: no NaN reaches a gradient.
+            return torch.nan_to_num(total, nan=0.0) * 0.0 + extra * 0.0
         return total + extra
 
     def _bypass_rejection(self, module_id, batch, fwd_out, records) -> None:
