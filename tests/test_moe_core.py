@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moe_rl.core.experts import FAST_TANH_MIN_ELEMENTS, tanh
+from moe_rl.core.health import HealthWatch
 from moe_rl.core.layer import DISPATCH_PATHS, MoELayer
 from moe_rl.core.losses import load_balancing_loss, moe_aux_losses, replay_anchor_loss, router_z_loss
 from moe_rl.core.metrics import balance_metrics, expert_counts, flip_rate, health_summary, jaccard, router_entropy
@@ -41,19 +42,19 @@ def test_uniform_top1_routing_gives_aux_loss_one_and_cv_zero():
     idx = (torch.arange(t) % n).unsqueeze(1)
     assert load_balancing_loss(probs, idx).item() == pytest.approx(1.0, abs=1e-7)
     m = balance_metrics(expert_counts(idx, n))
-    assert m["cv"] == 0.0 and m["health"] == 0 and m["active_experts"] == n
+    assert m["cv"] == 0.0 and m["load_grade"] == 0 and m["active_experts"] == n
 
 
 def test_all_tokens_on_one_expert_is_danger():
     m = balance_metrics(expert_counts(torch.zeros(32, 1, dtype=torch.long), 8))
-    assert m["health"] == 2 and m["active_experts"] == 1 and m["min_util"] == 0.0 and m["max_util"] == 1.0
+    assert m["load_grade"] == 2 and m["active_experts"] == 1 and m["min_util"] == 0.0 and m["max_util"] == 1.0
     assert m["cv"] == pytest.approx(math.sqrt(7.0))  # population std of (32,0,...,0) / 4
 
 
 def test_warning_grade_band():
     # u = (0.2, 0.2, 0.2, 0.2, 0.1, 0.1): min 0.1 = 0.6/N -> warning; CV = 0.35 healthy.
     m = balance_metrics(torch.tensor([2, 2, 2, 2, 1, 1]))
-    assert m["health"] == 1
+    assert m["load_grade"] == 1
 
 
 def test_z_loss_and_entropy_hand_values():
@@ -397,7 +398,12 @@ def test_health_summary_reports_worst_layer():
     good = MoELayer(8, 4, 1)(torch.randn(400, 8))[1]
     bad = RoutingRecord(torch.zeros(400, 1, dtype=torch.long), torch.ones(400, 1), torch.zeros(400, 4))
     s = health_summary([good, bad])
-    assert s["moe/health"] == 2 and s["moe/layer1/health"] == 2 and s["moe/active_experts"] == 1
+    assert s["moe/load_grade"] == 2 and s["moe/layer1/load_grade"] == 2 and s["moe/active_experts"] == 1
+    assert s["moe/health"] == 1 and s["moe/layer1/health"] == 1 and s["moe/layer1/idle_experts"] == 3
+    watch = HealthWatch()
+    health_summary([good, bad], watch=watch)
+    s = health_summary([good, bad], watch=watch)     # three experts idle for a second update: dead
+    assert s["moe/health"] == 2 and s["moe/layer1/dead_experts"] == 3 and s["moe/layer0/dead_experts"] == 0
     assert s["moe/cv"] == s["moe/layer1/cv"]
     total, aux, z = moe_aux_losses([good, bad], 0.01, 0.001)
     assert total.item() == pytest.approx(0.01 * aux.item() + 0.001 * z.item())
@@ -406,15 +412,16 @@ def test_health_summary_reports_worst_layer():
 def test_health_grades_the_load_of_the_counts_given():
     """The learner grades an update's load on the assignments of all its minibatches: one minibatch
     that leaves an expert idle by chance is not 'danger' when the update as a whole is balanced,
-    and a dead expert over the whole update still is."""
+    and an expert idle over the whole update still is."""
     one_minibatch = RoutingRecord(torch.tensor([[0], [1], [2], [0]]), torch.ones(4, 1), torch.zeros(4, 4))
-    assert health_summary([one_minibatch])["moe/health"] == 2              # expert 3 idle in this one
+    assert health_summary([one_minibatch])["moe/load_grade"] == 2          # expert 3 idle in this one
     balanced = torch.tensor([100, 98, 103, 99])
     s = health_summary([one_minibatch], [balanced])
-    assert s["moe/health"] == 0 and s["moe/active_experts"] == 4 and s["moe/cv"] < 0.05
+    assert s["moe/health"] == 0 and s["moe/load_grade"] == 0 and s["moe/active_experts"] == 4 and s["moe/cv"] < 0.05
     assert s["moe/layer0/util/e3"] == pytest.approx(99 / 400)
     dead = health_summary([one_minibatch], [torch.tensor([134, 133, 133, 0])])
-    assert dead["moe/health"] == 2 and dead["moe/min_util"] == 0 and dead["moe/active_experts"] == 3
+    assert dead["moe/load_grade"] == 2 and dead["moe/min_util"] == 0 and dead["moe/active_experts"] == 3
+    assert dead["moe/health"] == 1 and dead["moe/idle_experts"] == 1   # idle one update: not dead yet
 
 
 @pytest.mark.parametrize("kwargs, field", [

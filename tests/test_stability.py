@@ -299,14 +299,16 @@ def test_health_breaches_alert_when_they_start_and_memory_growth_is_caught():
     for row in clean_rows(40):
         i = row["iteration"]
         if 10 <= i < 20:
-            row["moe/active_experts"] = 5           # < 0.8 * 8
+            row["moe/health_level"] = 2             # a dead expert or a collapse (moe_rl.core.health)
+            row["moe/active_experts"] = 5           # the seeds' band alone no longer alerts
         if i == 30:
             row["drift/probe_flip_rate"] = 0.9      # routing oscillation
         row["learner/rss_mb/rank0"] = 500 + (20 * (i - 20) if i > 20 else 0)
         alerts += d.observe(row)
     got = [(a["iteration"], a["metric"], a["kind"]) for a in alerts]
-    assert (10, "moe/active_experts", "breach") in got
-    assert sum(m == "moe/active_experts" for _, m, _ in got) == 1   # once per breach, not every iteration
+    assert (10, "moe/health_level", "breach") in got
+    assert sum(m == "moe/health_level" for _, m, _ in got) == 1   # once per breach, not every iteration
+    assert not [m for _, m, _ in got if m == "moe/active_experts"]
     assert (30, "drift/probe_flip_rate", "oscillation") in got
     assert [k for _, m, k in got if m == "learner/rss_mb/rank0"] == ["memory"]
 

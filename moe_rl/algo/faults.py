@@ -6,6 +6,9 @@ bench/bench_gate.py inject each fault the gate must catch).
     inject(algo, HarmfulUpdate(factor=1000))     the next update's first optimizer step at LR x factor
     inject(algo, PerturbReplica(rank=1))         one dense tensor of learner `rank` perturbed after the
                                                  next update (a gradient all-reduce gone wrong)
+    inject(algo, DeadExpert(expert=0))           expert 0's router logit forced to -inf in every layer,
+                                                 on the learners and the rollout actors, from now on
+                                                 (the health grade must read danger: tests/test_health.py)
 
 A genuine training-inference mismatch needs no hook: `moe.inference_dtype: bf16` with
 `moe.trainer_capacity_factor` set is one.
@@ -17,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from moe_rl.core.routers import Router
 from moe_rl.rllib.learner_group import learner_index
 from moe_rl.rllib.runner import runner_modules
 
@@ -118,3 +122,41 @@ class PerturbReplica:
                 with torch.no_grad():
                     state[_router_weight(state)].add_(delta)
         algo.learner_group.foreach(perturb)
+
+
+class _MaskedLogits:
+    """Replaces one router's `logits` method: the wrapped logits with the dead experts' column at
+    -inf, so top-k never selects them and the softmax gives them probability 0 (and gradient 0).
+    An instance attribute, not a weight: the sync gate's finiteness check and the weight sync see
+    ordinary weights, and loading new weights keeps the fault."""
+
+    def __init__(self, logits, experts):
+        self.inner, self.experts = logits, torch.tensor(list(experts), dtype=torch.long)
+
+    def __call__(self, x):
+        out = self.inner(x)
+        return out.index_fill(-1, self.experts.to(out.device), float("-inf"))
+
+
+def _kill_experts(module, experts, layers) -> int:
+    routers = [m for m in module.modules() if isinstance(m, Router)]
+    for i, router in enumerate(routers):
+        if layers is None or i in layers:
+            if not isinstance(router.logits, _MaskedLogits):
+                router.logits = _MaskedLogits(router.logits, experts)
+    return len(routers)
+
+
+@dataclass
+class DeadExpert:
+    """Expert `expert` never selected from now on: its router logit is -inf in the MoE layers
+    `layers` (None: all) of module `module_id`, on every learner and rollout actor."""
+    expert: int = 0
+    layers: Optional[tuple] = None
+    module_id: str = "default_policy"
+    stage: str = "now"
+
+    def apply(self, algo) -> None:
+        experts, layers, mid = (self.expert,), self.layers, self.module_id
+        algo.learner_group.foreach(lambda l: _kill_experts(l.plain_module(mid), experts, layers))
+        algo.runner_call(lambda r: _kill_experts(runner_modules(r)[mid], experts, layers))

@@ -5,8 +5,9 @@ A rolling window (default 100 iterations) per metric. Three kinds of check:
     median and MAD). Changes, not levels, so a metric that grows smoothly (a learning curve, a
     value loss that follows the return) stays quiet while a sudden jump does not.
   - breach: the health tables, with bands that fit the run — normalised router entropy out of
-    band, active experts below min(0.8 N, N - 1) (one idle expert of four is not a collapse), CV
-    above 1, the pre-clip gradient norm outside `grad_norm_band` times this run's own median (RL
+    band, the routing health grade at danger (moe_rl.core.health: a dead expert or a collapse; the
+    seeds' CV and active-expert bands read RL specialisation as harm, so they are figures, not
+    alerts), the pre-clip gradient norm outside `grad_norm_band` times this run's own median (RL
     value losses put absolute norms anywhere), new non-finite (skipped) steps — and routing
     oscillation (the margin-aware probe-set flip rate). Breaches are judged only after
     `health_warmup` iterations (the run's own history says nothing before), and alert when they
@@ -58,6 +59,19 @@ def _median(xs: List[float]) -> float:
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
+def _danger_reason(row: Dict[str, Any]) -> str:
+    """What made the grade danger, with the figures beside it."""
+    dead, streak = row.get("moe/dead_experts"), row.get("moe/collapse_updates")
+    why = []
+    if _finite(dead) and dead > 0:
+        why.append(f"{dead:g} dead expert(s)")
+    if _finite(streak) and streak > 0:
+        why.append(f"collapse for {streak:g} updates")
+    figures = ", ".join(f"{k[4:]}={row[k]:.3g}" for k in ("moe/marginal_entropy_norm", "moe/router_entropy_norm",
+                                                             "moe/cv", "moe/min_util") if _finite(row.get(k)))
+    return f"(danger: {' and '.join(why) or 'see moe/layer*/health'}; {figures})"
+
+
 class AnomalyDetector:
     def __init__(self, settings: Dict[str, Any], num_experts: int, top_k: int = 1):
         self.s, self.num_experts, self.top_k = settings, num_experts, top_k
@@ -84,18 +98,16 @@ class AnomalyDetector:
             v = row.get(key)
             if _finite(v):
                 self._check_change(key, direction, floor, float(v), alert)
-        s, n = self.s, self.num_experts
+        s = self.s
         self._seen += 1
         lo, hi = s["entropy_band"]
         gl, gh = s["grad_norm_band"]
-        active_min = min(0.8 * n, n - 1)
         grad = row.get("stability/grad_norm/total")
         median = _median(list(self._grad_norms)) if self._grad_norms else None
         skipped = row.get("stability/skipped_steps")
         breaches = {
             "moe/router_entropy_norm": (lambda v: not lo <= v <= hi, f"outside [{lo}, {hi}]", "breach"),
-            "moe/active_experts": (lambda v: v < active_min, f"below min(0.8 N, N - 1) = {active_min:g}", "breach"),
-            "moe/cv": (lambda v: v > 1.0, "above 1.0 (danger)", "breach"),
+            "moe/health_level": (lambda v: v >= 2, _danger_reason(row), "breach"),
             "stability/grad_norm/total": (
                 lambda v: median is not None and not gl * median <= v <= gh * median,
                 f"outside [{gl}, {gh}] x this run's median {median or 0:.3g}", "breach"),

@@ -1,14 +1,18 @@
 """Load-balance and routing health metrics (pure torch).
 
-Grades follow the health table in shared/README.md (N experts, utilisation u_i = tokens_i / total):
+The raw figures of each layer: utilisation shares (min, max), CV of the expert counts, active
+experts, router entropy (mean per state, in nats and normalised by ln N; the seeds' "entropy"
+snippet computed sum p log p, i.e. the negative), and `load_grade`, the seeds' LM pre-training table
+in shared/README.md (N experts, utilisation u_i = tokens_i / total), the worst of:
 
 | metric | healthy  | warning      | danger   |
 | min u  | > 0.8/N  | 0.3/N..0.8/N | < 0.3/N  |
 | max u  | < 3/N    | 3/N..8/N     | > 8/N    |
 | CV     | < 0.5    | 0.5..1.0     | > 1.0    |
 
-The layer grade is the worst of the three. Router entropy is reported in nats and normalised by
-ln N (1.0 = uniform routing); the seeds' "entropy" snippet computed sum p log p, i.e. the negative.
+The table is kept as a figure, not as the grade: in RL it reads specialisation (a narrowing state
+distribution) as imbalance. `health`, the grade, is moe_rl.core.health's: dead experts or a
+collapse, judged over consecutive updates.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 
+from moe_rl.core.health import HealthWatch
 from moe_rl.core.routing import RoutingRecord
 
 GRADES = ("healthy", "warning", "danger")
@@ -40,9 +45,8 @@ def _grade(value: float, healthy, danger, higher_is_better: bool) -> int:
 
 
 def balance_metrics(counts: torch.Tensor) -> Dict[str, float]:
-    """counts: [N] -> utilisation extremes, CV (population std / mean), active experts and grade.
-
-    `health` is 0 healthy, 1 warning, 2 danger (GRADES[health] names it)."""
+    """counts: [N] -> utilisation extremes, CV (population std / mean), active experts and the
+    seeds' table's grade `load_grade`: 0 healthy, 1 warning, 2 danger (GRADES names it)."""
     n = counts.numel()
     c = counts.double()
     total = c.sum().item()
@@ -50,11 +54,11 @@ def balance_metrics(counts: torch.Tensor) -> Dict[str, float]:
     mean = c.mean().item()
     cv = (c.std(unbiased=False).item() / mean) if mean > 0 else float("inf")
     min_u, max_u = util.min().item(), util.max().item()
-    health = max(_grade(min_u, WARN_LOW / n, DANGER_LOW / n, True),
+    load_grade = max(_grade(min_u, WARN_LOW / n, DANGER_LOW / n, True),
                  _grade(max_u, WARN_HIGH / n, DANGER_HIGH / n, False),
                  _grade(cv, CV_WARN, CV_DANGER, False)) if total > 0 else 2
     return {"min_util": min_u, "max_util": max_u, "cv": cv,
-            "active_experts": int((counts > 0).sum().item()), "health": health}
+            "active_experts": int((counts > 0).sum().item()), "load_grade": load_grade}
 
 
 def router_entropy(router_probs: torch.Tensor) -> Dict[str, float]:
@@ -103,8 +107,9 @@ def layer_health(record: RoutingRecord, counts: Optional[torch.Tensor] = None) -
 
 
 # How the per-layer values fold into the headline "worst layer" value.
-WORST_OF = {"min_util": min, "max_util": max, "cv": max, "active_experts": min,
-            "health": max, "router_entropy": min, "router_entropy_norm": min, "replay_divergence": max}
+WORST_OF = {"min_util": min, "max_util": max, "cv": max, "active_experts": min, "load_grade": max,
+            "health": max, "dead_experts": max, "idle_experts": max, "marginal_entropy_norm": min,
+            "collapse_updates": max, "router_entropy": min, "router_entropy_norm": min, "replay_divergence": max}
 
 
 def per_expert(record: RoutingRecord, counts: Optional[torch.Tensor] = None) -> Dict[str, float]:
@@ -119,14 +124,21 @@ def per_expert(record: RoutingRecord, counts: Optional[torch.Tensor] = None) -> 
 
 
 def health_summary(records: Iterable[RoutingRecord],
-                   counts: Optional[Sequence[torch.Tensor]] = None) -> Dict[str, float]:
+                   counts: Optional[Sequence[torch.Tensor]] = None,
+                   watch: Optional[HealthWatch] = None) -> Dict[str, float]:
     """`moe/layer{i}/<metric>` for every layer (per expert too, up to PER_EXPERT_MAX experts) plus
     `moe/<metric>` for the worst layer. `counts`: per layer, the assignments to grade the load on
     (a whole update's; one minibatch of a few hundred tokens over dozens of experts leaves some
-    experts with a handful of tokens by chance, which the utilisation bands read as danger)."""
+    experts with a handful of tokens by chance, which the utilisation bands read as danger).
+    `watch`: the module's HealthWatch, fed this update (the grade `health` needs the updates
+    before it); without one, the grade of this update alone (never `danger` for a dead expert)."""
     records = list(records)
     counts = list(counts) if counts is not None else [None] * len(records)
+    counts = [expert_counts(r.router_top_k, r.num_experts) if c is None else c for r, c in zip(records, counts)]
     per_layer = [layer_health(r, c) for r, c in zip(records, counts)]
+    graded = (watch or HealthWatch()).observe(counts, [m["router_entropy_norm"] for m in per_layer])
+    for m, g in zip(per_layer, graded):
+        m.update(g)
     out = {}
     for i, (m, r, c) in enumerate(zip(per_layer, records, counts)):
         out.update({f"moe/layer{i}/{k}": v for k, v in m.items()})

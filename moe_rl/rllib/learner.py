@@ -23,6 +23,7 @@ from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 from moe_rl.core.balance import AdaptiveBalance
 from moe_rl.core.correction import active, correct, resolve_correction, sequence_ids
 from moe_rl.core.digests import Sample, state_digests
+from moe_rl.core.health import HealthWatch
 from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss, replay_anchor_loss
 from moe_rl.core.metrics import expert_counts, health_summary
 from moe_rl.core.param_groups import param_group
@@ -68,6 +69,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         self._last_routing: Dict[str, list] = {}
         self._update_counts: Dict[str, List[torch.Tensor]] = {}   # per layer, the update's assignments
         self._balance: Dict[str, AdaptiveBalance] = {}   # modules with moe.balance: adaptive
+        self._health: Dict[str, HealthWatch] = {}   # per module: the grade's streaks over updates
         self._balancing: Dict[str, tuple] = {}   # module_id -> (module, its routers with balancing state)
         self._loss_stats: Dict[str, Dict[str, Any]] = {}   # the last minibatch's router-loss figures
         # fn(learner, module_id), run on the parameters' .grad before the stability toolkit:
@@ -175,7 +177,8 @@ class MoEPPOTorchLearner(PPOTorchLearner):
             stats = {**toolkit.last_stats, **self._loss_stats.pop(module_id, {})}
             if self._last_routing.get(module_id):
                 stats.update(health_summary(self._last_routing.pop(module_id),
-                                            self._update_counts.pop(module_id, None)))
+                                            self._update_counts.pop(module_id, None),
+                                            self._health.setdefault(module_id, HealthWatch())))
             self.metrics.log_dict(stats, key=module_id, window=1)
 
     def get_state(self, *args, **kwargs):
