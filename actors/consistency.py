@@ -89,14 +89,20 @@ class ConsistencyActor:
 
     def check(self, *, iteration: int, version: int, lag: int, rollout: Dict[str, Dict[str, Any]],
               trainer: Dict[str, Dict[str, Any]], stats: Dict[str, Any], candidate_view: Dict[str, Dict[str, Any]],
-              corrupt: List[str], replicas: List[str], repairs: int = 0) -> Dict[str, Any]:
-        """rollout / trainer: per module, the rollout's recorded steps and the learners' view of
+              corrupt: List[str], replicas: List[str], repairs: int = 0,
+              skipped: Optional[Dict[str, Dict[str, int]]] = None) -> Dict[str, Any]:
+        """lag: updates the learners were ahead of the rollouts *before* this update (0: same
+        weights); the candidate is one update further, lag + 1 past the last good weights.
+        rollout / trainer: per module, the rollout's recorded steps and the learners' view of
         them (same weights when lag == 0; else the lagged learners'). stats: the learners'
         weight_stats against the last synced weights. corrupt / replicas: breach lines found by
-        digest comparisons (rollout copies vs synced weights; learners holding the same tensor)."""
+        digest comparisons (rollout copies vs synced weights; learners holding the same tensor).
+        skipped: per module, the update's steps and the steps skipped because the rollout
+        correction kept nothing (the learners' SkippedSteps.last)."""
+        candidate_lag = lag + 1   # the update-sized signals are judged, and kept, per update
         t0 = time.perf_counter()
         rows: Dict[str, Dict[str, Any]] = {}
-        mismatch, signals = [], {}
+        mismatch, signals, all_rejected = [], {}, []
         for mid in sorted(set(trainer) | set(candidate_view) | set(stats["terms"])):
             row = rows[mid] = {"iteration": iteration, "module_id": mid, "sync_id": self.sync_id,
                                "weights_version": version, "lag_versions": lag}
@@ -117,16 +123,23 @@ class ConsistencyActor:
                 row["k3_old_new"] = policy_kl(torch.as_tensor(old["logits"]), torch.as_tensor(new["logits"]),
                                               self.discrete.get(mid, True))
                 row["probe_flip_rate"] = probe_flip_rate(old, new, self.s["flip_margin"])
+            sk = (skipped or {}).get(mid)
+            emptied = bool(sk and sk.get("steps") and sk["skipped"] == sk["steps"])
+            if sk and sk.get("steps"):
+                row["correction_skipped_steps"] = int(sk["skipped"])
+            if emptied:
+                all_rejected.append(f"{mid}: the rollout correction kept no step of the update ({sk['steps']} "
+                                    f"steps skipped; {sk.get('in_a_row', 1)} updates in a row)")
             for k, v in row.items():
-                if self.state.signal(k):
+                if self.state.signal(k) and not emptied:   # a skipped update's zeros are no history
                     signals[f"{mid}|{k}"] = v
             row["weights_finite"] = bool(stats["finite"])
-        bad = [(k.split("|", 1)[1] if len(rows) == 1 else k.replace("|", "/"), v, t)
-               for k, v, t in self.state.update_breaches(signals, lag)]
+        found = self.state.update_breaches(signals, candidate_lag)
+        bad = [(k.split("|", 1)[1] if len(rows) == 1 else k.replace("|", "/"), v, t) for k, v, t in found]
         verdict = self.state.decide(finite=bool(stats["finite"]), bad_update=bad, mismatch=mismatch,
-                                    corrupt=corrupt, replicas=replicas)
+                                    corrupt=corrupt, replicas=replicas, all_rejected=all_rejected)
         if verdict.decision in ("sync", "warn"):
-            self.state.accept(signals, lag)
+            self.state.accept(signals, candidate_lag, {k for k, _, _ in found})
             self.probe_view = candidate_view
             self.sync_id += 1
         elapsed = time.perf_counter() - t0

@@ -364,3 +364,75 @@ def test_k3_by_expert_shows_the_drifting_expert():
     got = k3_by_expert(trainer, rollout, topk)[0]
     assert got[0] == 0.0 and got[3] == pytest.approx(2 - 1 - math.log(2))
     assert got[1] == pytest.approx((2 - 1 - math.log(2)) / 2)
+
+
+# --- the edges (issue 33): each test failed on e14abeb ----------------------------------------------
+
+def _actor(**kw):
+    from actors.consistency import ConsistencyActor
+    return ConsistencyActor(validate_consistency({"relative_warmup": 3, "relative_z": 1.0, **kw}), {"p": True})
+
+
+def _check(actor, lag, size, skipped=None):
+    """One check of module p's candidate: only its update size (sq_diff / sq_ref = size^2)."""
+    return actor.check(iteration=1, version=0, lag=lag, rollout={}, trainer={},
+                       stats={"finite": True, "terms": {"p": {"experts": [size ** 2, 1.0]}}}, candidate_view={},
+                       corrupt=[], replicas=[], **({"skipped": skipped} if skipped else {}))["verdict"]
+
+
+@pytest.mark.pure
+def test_a_held_candidate_is_judged_and_kept_at_its_true_lag():
+    """The sync gate passes the lag before the update; the candidate is one update further. After a
+    hold (lag 1) it is 2 updates past the last good weights: limit x 2, history value / 2."""
+    actor = _actor(policy="hold")
+    for _ in range(3):
+        assert _check(actor, 0, 0.05)["decision"] == "sync"         # limit 0.05 + 1 x 0.025 = 0.075
+    assert _check(actor, 0, 0.1)["decision"] == "hold"              # one update: 0.1 > 0.075
+    assert _check(actor, 1, 0.1)["decision"] == "sync"              # two updates: 0.1 < 0.15
+    assert list(actor.state.limits["p|update_size/experts"].values)[-1] == pytest.approx(0.05)
+
+
+@pytest.mark.pure
+def test_an_update_the_correction_emptied_is_a_gate_cause_with_its_streak():
+    actor = _actor()
+    v = _check(actor, 0, 0.0, skipped={"p": {"steps": 8, "skipped": 8, "in_a_row": 3}})
+    assert (v["decision"], v["causes"], v["actions"]) == ("sync", ["all_rejected"], ["skip"])
+    assert "kept no step" in v["reason"] and "3 updates in a row" in v["reason"]
+    assert actor.state.limits.get("p|update_size/experts") is None or not actor.state.limits[
+        "p|update_size/experts"].values                              # its zero update size is no history
+    v = _check(actor, 0, 0.05, skipped={"p": {"steps": 8, "skipped": 2, "in_a_row": 0}})
+    assert v["causes"] == [] and actor.state.counts["all_rejected"] == 1
+
+
+@pytest.mark.pure
+def test_under_warn_a_breaching_value_never_raises_its_own_bar():
+    actor = _actor(policy="warn")
+    for _ in range(3):
+        _check(actor, 0, 0.05)
+    limit = actor.state.limits["p|update_size/experts"].limit()
+    for _ in range(5):
+        assert _check(actor, 0, 1.0)["decision"] == "warn"
+    assert actor.state.limits["p|update_size/experts"].limit() == limit
+
+
+@pytest.mark.pure
+def test_alternating_rollback_and_pass_reaches_the_stop():
+    """A retry at the slower LR passes, the next full-LR update fails again: a rollback is forgiven
+    only after max_rollbacks passing checks in a row."""
+    g = gate(policy="rollback", max_rollbacks=2)
+    bad = [("update_size/router", 5.0, 0.1)]
+    seq = [g.decide(finite=True, bad_update=b, mismatch=[], corrupt=[], replicas=[]).decision
+           for b in (bad, [], bad, [], bad)]
+    assert seq == ["rollback", "sync", "rollback", "sync", "stop"]
+    g = gate(policy="rollback", max_rollbacks=2)
+    seq = [g.decide(finite=True, bad_update=b, mismatch=[], corrupt=[], replicas=[]).decision
+           for b in (bad, [], [], bad, [], [], bad)]
+    assert seq == ["rollback", "sync", "sync", "rollback", "sync", "sync", "rollback"]   # forgiven
+
+
+@pytest.mark.pure
+def test_absolute_caps_scale_with_the_lag_like_the_relative_limits():
+    g = gate(thresholds={"update_size": 0.1, "k3_old_new": 0.01})
+    row = {"p|update_size/experts": 0.15, "p|k3_old_new": 0.03}
+    assert [k for k, _, _ in g.update_breaches(row, 1)] == ["p|update_size/experts", "p|k3_old_new"]
+    assert g.update_breaches(row, 2) == []                          # caps 0.2 and 0.04

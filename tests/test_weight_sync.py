@@ -40,6 +40,19 @@ def test_pack_unpack_round_trips_in_the_wire_dtype():
 
 
 @pytest.mark.pure
+def test_mixed_dtypes_pack_into_one_bucket_aligned():
+    """Two bf16 modules then float32 ones (a multi-agent bf16 rollout copy): each entry starts at a
+    multiple of its item size, so a float32 after 5 bf16 values is a valid view (issue 33: this
+    raised "storage_offset() must be divisible by 4" and the sync fell back after the gloo timeout)."""
+    (bucket,) = plan_buckets(ENTRIES, bucket_bytes=10**6)
+    values = [torch.randn(e[2]) for e in bucket]
+    buf = pack(values, bucket, out=torch.empty(1000, dtype=torch.uint8))
+    for (e, got), want in zip(unpack(buf.clone(), bucket), values):
+        assert torch.equal(got, want.to(got.dtype))
+    assert bucket_bytes_of(bucket) == buf.numel() == 48 + 10 + 2 + 16 + 400   # two padding bytes before "c"
+
+
+@pytest.mark.pure
 def test_plan_id_names_shape_and_dtype():
     assert plan_id(ENTRIES) == plan_id(list(ENTRIES))
     assert plan_id(ENTRIES) != plan_id([ENTRIES[0][:2] + ((3, 4), "torch.float32")] + ENTRIES[1:])

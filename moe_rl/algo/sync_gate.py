@@ -76,6 +76,10 @@ def rollout_sample(episodes, size: int, seed: int, modules=None,
     return out
 
 
+def _skipped_steps(learner) -> Dict[str, Dict[str, int]]:
+    return dict(learner.skipped_steps.last) if hasattr(learner, "skipped_steps") else {}
+
+
 def _merge(parts: List[Dict[str, Dict]]) -> Dict[str, Dict]:
     out: Dict[str, Dict] = {}
     for p in parts:
@@ -191,10 +195,12 @@ class SyncGate:
         probe = ray.get(self.actor.get_probe.remote())
         candidate = (self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}, replay=False)
                      if probe else {})
-        result = ray.get(self.actor.check.remote(
+        # The learners agree on skipped steps (a collective decision): the first one's figures.
+        skipped = self.group.publishers(_skipped_steps)[0]
+        result = ray.get(self.actor.check.remote(   # lag: before the update (the actor adds this one)
             iteration=algo.iteration + 1, version=algo.weights_version, lag=pre["lag"], rollout=pre["rollout"],
             trainer=pre["trainer"], stats=stats, candidate_view=candidate, corrupt=pre["corrupt"],
-            replicas=replicas, repairs=self.repairs))
+            replicas=replicas, repairs=self.repairs, skipped=skipped))
         self.rows.extend(result["rows"])
         verdict = result["verdict"]
         causes = [c for c in verdict["causes"] if c != "corrupt_copy"]   # repairs were logged when made
@@ -206,7 +212,8 @@ class SyncGate:
         if decision in ("rollback", "stop"):
             algo.restore_last_good()
         if decision == "stop":
-            raise GateStop(f"bad_update: {verdict['reason']} after {self.s['max_rollbacks']} rollbacks in a row; "
+            raise GateStop(f"bad_update: {verdict['reason']} after {self.s['max_rollbacks']} rollbacks (one is forgiven "
+                           f"only after as many passing checks in a row); "
                            f"the learners hold the last good weights; the run stays resumable: moe-rl train "
                            f"--resume RUN_DIR (consider a lower training.lr)")
         self.group.set_lr_scale(verdict["lr_scale"])

@@ -12,6 +12,8 @@ Each check separates what it sees into causes, and each cause has its own action
 |                    | own recent history                                 | weights always roll back               |
 | replica_divergence | learners that hold the same tensor disagree        | resync: every learner takes the        |
 |                    |                                                    | publishing learner's copy              |
+| all_rejected       | the rollout correction kept no step of the update  | skip: the learners skipped every step  |
+|                    | (every minibatch's loss mask empty)                | (counted); report, with the streak     |
 
 Lag (learners ahead of the rollouts, e.g. during a hold) is reported as `lag_versions` and
 `lag_k3`, never as mismatch. Update-sized signals are judged against the run's own history
@@ -23,14 +25,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from moe_rl.core.correction import resolve_correction
 from moe_rl.core.errors import ConfigError, need
 
 POLICIES = ("warn", "hold", "rollback")
 DECISIONS = ("sync", "warn", "hold", "rollback", "stop")
-CAUSES = ("mismatch", "corrupt_copy", "bad_update", "replica_divergence")
+CAUSES = ("mismatch", "corrupt_copy", "bad_update", "replica_divergence", "all_rejected")
 
 # Same-weights mismatch: absolute limits (metric -> ("max" | "min", default)). An fp32 copy sits
 # near 1e-6 on all of them; a bf16 copy of the quickstart measured K3 <= 4.1e-4, agreement >= 0.97
@@ -61,7 +63,8 @@ CONSISTENCY_DEFAULTS: Dict[str, Any] = {
     "relative_window": 50,    # accepted values kept per signal
     "flip_margin": 0.05,      # probe flips count only where the old top-k margin (logits) exceeds it
     "max_holds": 3,           # consecutive holds before escalating to rollback
-    "max_rollbacks": 3,       # consecutive rollbacks before the run stops (resumable)
+    "max_rollbacks": 3,       # rollbacks before the run stops (resumable); one is forgiven after this
+                              # many passing checks in a row
     "rollback_lr_scale": 0.5, # the retry after a rollback runs at this LR scale (compounding)
     "sample_size": 512,       # rollout steps per check given to the trainer-side forward
     "probe_size": 256,        # fixed probe observations kept for the whole run
@@ -182,7 +185,13 @@ class GateState:
         self.limits: Dict[str, RelativeLimit] = {}
         self.holds_in_a_row = 0
         self.rollbacks_in_a_row = 0
-        self.counts = {"repairs": 0, "resyncs": 0, "holds": 0, "rollbacks": 0, "mismatch_reports": 0}
+        # Rollbacks not yet forgiven: a rollback is forgiven only after max_rollbacks passing
+        # checks in a row, so rollback, pass, rollback, pass, ... (the slower retry passes, the
+        # next full-LR update fails again) also reaches the stop.
+        self.rollbacks_recent = 0
+        self.passes_in_a_row = 0
+        self.counts = {"repairs": 0, "resyncs": 0, "holds": 0, "rollbacks": 0, "mismatch_reports": 0,
+                       "all_rejected": 0}
 
     def _limit(self, key: str) -> RelativeLimit:
         if key not in self.limits:
@@ -204,23 +213,27 @@ class GateState:
             sig = self.signal(key)
             if sig is None or not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue
-            scale = max(lag, 1) ** UPDATE_SIGNALS[sig]
+            scale = max(lag, 1) ** UPDATE_SIGNALS[sig]   # absolute caps are per update too
             limit = self._limit(key).limit()
             if limit is not None and value > limit * scale:
                 out.append((key, float(value), limit * scale))
-            elif sig in self.absolute and value > self.absolute[sig]:
-                out.append((key, float(value), self.absolute[sig]))
+            elif sig in self.absolute and value > self.absolute[sig] * scale:
+                out.append((key, float(value), self.absolute[sig] * scale))
         return out
 
-    def accept(self, row: Dict[str, Any], lag: int) -> None:
-        """A candidate passed: its per-update values join the history."""
+    def accept(self, row: Dict[str, Any], lag: int, breached: Sequence[str] = ()) -> None:
+        """A candidate passed: its per-update values join the history, except those that breached
+        (synced under `warn`): a run's bad updates never raise their own bar."""
         for key, value in row.items():
             sig = self.signal(key)
-            if sig is not None and isinstance(value, (int, float)):
+            if sig is not None and isinstance(value, (int, float)) and key not in breached:
                 self._limit(key).accept(value / max(lag, 1) ** UPDATE_SIGNALS[sig])
 
     def decide(self, *, finite: bool, bad_update: List[Tuple[str, float, float]],
-               mismatch: List[Tuple[str, float, float]], corrupt: List[str], replicas: List[str]) -> Verdict:
+               mismatch: List[Tuple[str, float, float]], corrupt: List[str], replicas: List[str],
+               all_rejected: Sequence[str] = ()) -> Verdict:
+        """all_rejected: one line per module whose update the rollout correction emptied (the
+        learners skipped it; its weights did not move, so nothing else changes)."""
         policy = self.s["policy"]
         v = Verdict("sync")
         heads = v.headlines
@@ -240,6 +253,12 @@ class GateState:
             v.actions.append("resync")
             v.reasons.append("replica divergence: " + "; ".join(replicas[:3]))
             heads["replica_divergence"] = replicas[0]
+        if all_rejected:
+            v.causes.append("all_rejected")
+            v.actions.append("skip")
+            v.reasons.append("all rejected: " + "; ".join(all_rejected[:3]))
+            heads["all_rejected"] = all_rejected[0]
+            self.counts["all_rejected"] += 1
         if not finite or bad_update:
             v.causes.append("bad_update")
             v.reasons.append("bad update " + ("candidate weights are not finite" if not finite else _fmt(bad_update)))
@@ -253,7 +272,7 @@ class GateState:
                 v.decision = "hold"
             else:
                 v.decision = "rollback"             # policy rollback, or a hold that did not clear
-            if v.decision == "rollback" and self.rollbacks_in_a_row >= self.s["max_rollbacks"]:
+            if v.decision == "rollback" and self.rollbacks_recent >= self.s["max_rollbacks"]:
                 v.decision = "stop"
             v.actions.append(v.decision)
         # Streaks end only at a candidate that passes: hold, hold, rollback, hold, ... counts the
@@ -261,6 +280,10 @@ class GateState:
         passed = v.decision in ("sync", "warn")
         self.holds_in_a_row = self.holds_in_a_row + 1 if v.decision == "hold" else 0
         self.rollbacks_in_a_row = 0 if passed else self.rollbacks_in_a_row + (v.decision == "rollback")
+        self.passes_in_a_row = self.passes_in_a_row + 1 if passed else 0
+        self.rollbacks_recent += v.decision == "rollback"
+        if self.passes_in_a_row >= self.s["max_rollbacks"]:
+            self.rollbacks_recent = 0
         for d in ("hold", "rollback"):
             self.counts[d + "s"] += v.decision == d
         v.lr_scale = self.s["rollback_lr_scale"] ** self.rollbacks_in_a_row
@@ -269,7 +292,8 @@ class GateState:
 
     def get_state(self) -> Dict[str, Any]:
         return {"limits": {k: list(l.values) for k, l in self.limits.items()}, "holds_in_a_row": self.holds_in_a_row,
-                "rollbacks_in_a_row": self.rollbacks_in_a_row, "counts": dict(self.counts)}
+                "rollbacks_in_a_row": self.rollbacks_in_a_row, "rollbacks_recent": self.rollbacks_recent,
+                "passes_in_a_row": self.passes_in_a_row, "counts": dict(self.counts)}
 
     def set_state(self, state: Dict[str, Any]) -> None:
         for k, values in state.get("limits", {}).items():
@@ -277,6 +301,8 @@ class GateState:
                 self._limit(k).accept(x)
         self.holds_in_a_row = int(state.get("holds_in_a_row", 0))
         self.rollbacks_in_a_row = int(state.get("rollbacks_in_a_row", 0))
+        self.rollbacks_recent = int(state.get("rollbacks_recent", self.rollbacks_in_a_row))
+        self.passes_in_a_row = int(state.get("passes_in_a_row", 0))
         self.counts.update(state.get("counts", {}))
 
 

@@ -285,6 +285,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         _, keep, figures = correct(logp - batch[Columns.ACTION_LOGP], valid, sequence_ids(valid), self.correction,
                                    routing_flags(self.correction, batch, records))
         batch[Columns.LOSS_MASK] = keep
+        figures.pop("correction/seq_rejected_fraction", None)   # a shuffled minibatch has no sequences
         self.metrics.log_dict(figures, key=module_id, window=1)
 
     # --- weights, as the rest of the system sees them ---------------------------------------------
