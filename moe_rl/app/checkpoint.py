@@ -5,8 +5,7 @@
         (sha256 + size of every file, iteration, resolved run config, moe-rl version, time),
         fsync, os.rename to checkpoints/iter_NNNNNN, keep the last `keep`. A failed write leaves
         no iter_ directory behind (CheckpointWriteError names the path).
-    verify_checkpoint(path)          re-hash every file of the manifest; CheckpointError names the file
-    latest_good_checkpoint(run_dir)  newest checkpoint that verifies (bad ones are reported, skipped)
+    verify_checkpoint, latest_good_checkpoint   every file against the manifest: checkpoint_integrity.py
     verify_weights(algo, path, cfg)  the checkpoint's policy reloaded (as `moe-rl evaluate` loads it)
                                      vs. the live learner module on a probe batch
     restore_checkpoint(algo, path)   verify, algo.restore_from_path, driver RNG state
@@ -18,13 +17,10 @@ from __future__ import annotations
 
 import copy
 import glob
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
-import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -41,22 +37,28 @@ from ray.rllib.core.rl_module.rl_module import RLModule, RLModuleSpec
 
 from moe_rl import __version__
 from moe_rl.algo.algorithm import MoEPPOConfig
+from moe_rl.app.checkpoint_integrity import (  # noqa: F401  (names callers reach through this module)
+    CORRUPT_PREFIX,
+    FORMAT,
+    MANIFEST,
+    TMP_PREFIX,
+    CheckpointError,
+    checkpoint_iteration,
+    checkpoint_name,
+    checkpoint_names,
+    digest,
+    files_of,
+    latest_good_checkpoint,
+    newest_checkpoint,
+    verify_checkpoint,
+)
 from moe_rl.app.run_config import BUILDER_SECTIONS
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.settings import MOE_DEFAULTS
 from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
-MANIFEST = "manifest.json"
 RNG_FILE = "driver_rng.pt"
-TMP_PREFIX = ".tmp-"
-CORRUPT_PREFIX = "corrupt-"
-FORMAT = 1
-_NAME = re.compile(r"^iter_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that fails verification; str() is one line naming the checkpoint and file."""
 
 
 class CheckpointWriteError(OSError):
@@ -64,40 +66,6 @@ class CheckpointWriteError(OSError):
 
     def __str__(self) -> str:
         return self.strerror or super().__str__()
-
-
-def checkpoint_name(iteration: int) -> str:
-    return f"iter_{int(iteration):06d}"
-
-
-def checkpoint_iteration(name: str) -> int:
-    return int(_NAME.match(name).group(1))
-
-
-def checkpoint_names(checkpoints_dir: str) -> List[str]:
-    """iter_NNNNNN directory names, oldest first."""
-    if not os.path.isdir(checkpoints_dir):
-        return []
-    names = [n for n in os.listdir(checkpoints_dir) if _NAME.match(n)
-             and os.path.isdir(os.path.join(checkpoints_dir, n))]
-    return sorted(names, key=checkpoint_iteration)
-
-
-def _files(root: str) -> List[str]:
-    out = []
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
-    return sorted(out)
-
-
-def _digest(path: str) -> Tuple[str, int]:
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
 
 
 def _fsync(path: str, directory: bool = False) -> None:
@@ -118,9 +86,9 @@ def _fsync_tree(root: str) -> None:
 def write_manifest(path: str, iteration: int, run_config: Optional[Dict[str, Any]],
                    time_total_s: Optional[float] = None) -> Dict[str, Any]:
     files = {}
-    for rel in _files(path):
+    for rel in files_of(path):
         if rel != MANIFEST:
-            sha, size = _digest(os.path.join(path, rel))
+            sha, size = digest(os.path.join(path, rel))
             files[rel] = {"sha256": sha, "size": size}
     now = time.time()
     manifest = {"format": FORMAT, "iteration": int(iteration), "moe_rl_version": __version__,
@@ -210,54 +178,6 @@ def quarantine(path: str) -> str:
     return target
 
 
-# --- verify ---------------------------------------------------------------------------------------
-def verify_checkpoint(path: str) -> Dict[str, Any]:
-    """Re-hash every file the manifest lists; a missing, truncated, altered or unlisted file is a
-    CheckpointError naming it. Returns the manifest."""
-    name = os.path.basename(os.path.normpath(path))
-
-    def bad(what: str):
-        raise CheckpointError(f"checkpoint {name} is corrupt: {what}")
-
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-        int(manifest["iteration"])
-        if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-            raise TypeError
-    except FileNotFoundError:
-        bad(f"{MANIFEST} missing (an incomplete or pre-manifest checkpoint)")
-    except (OSError, ValueError, KeyError, TypeError):
-        bad(f"{MANIFEST} unreadable")
-    present = set(_files(path)) - {MANIFEST}
-    for rel in sorted(files):
-        if rel not in present:
-            bad(f"{rel} missing")
-        sha, size = _digest(os.path.join(path, rel))
-        if size != files[rel].get("size"):
-            bad(f"{rel} is {size} bytes, the manifest says {files[rel].get('size')} (truncated or altered)")
-        if sha != files[rel].get("sha256"):
-            bad(f"{rel} sha256 mismatch")
-    extra = sorted(present - set(files))
-    if extra:
-        bad(f"{extra[0]} is not in the manifest")
-    return manifest
-
-
-def latest_good_checkpoint(run_dir: str, log=None) -> Optional[str]:
-    """The newest RUN_DIR/checkpoints/iter_* that verifies; each bad one is reported and skipped."""
-    root = os.path.join(run_dir, "checkpoints")
-    for name in reversed(checkpoint_names(root)):
-        path = os.path.join(root, name)
-        try:
-            verify_checkpoint(path)
-            return path
-        except CheckpointError as e:
-            (log or (lambda m: print(m, file=sys.stderr, flush=True)))(f"moe-rl: {e}; skipping it")
-    return None
-
-
 def restore_checkpoint(algo, path: str) -> Dict[str, Any]:
     """Verify, then restore everything the checkpoint holds: weights, optimizer state of every
     learner, RLlib learner/algorithm state (iteration counter, metrics, LR schedule position),
@@ -340,7 +260,9 @@ def verify_weights(algo, path: str, run_config: Dict[str, Any], probe_size: int 
         loaded = load_policy(path, run_config, obs_space, act_space, mid)
         ckpt = _forward_outputs(loaded, obs)
         own = loaded.state_dict().keys()
-        loaded.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in stack_experts(state, own).items()},
+        # np.array copies: the published arrays come read-only from Ray's object store, and torch
+        # warns (once per process, on the user's console) when it wraps a read-only array.
+        loaded.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in stack_experts(state, own).items()},
                                strict=True)
         live = _forward_outputs(loaded, obs)
         if set(ckpt) != set(live) or any(ckpt[k].shape != live[k].shape for k in live):
