@@ -36,17 +36,23 @@ from moe_rl.algo.resources import (
 from moe_rl.algo.results import metrics_row
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.app import checkpoint as ck
+from moe_rl.app import console
 from moe_rl.app.drift_study import SOURCES, run_study, trained_policy
 from moe_rl.app.evaluate import evaluate_run
+from moe_rl.app.guardian import Guardian
 from moe_rl.app.report import write_report
 from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
 from moe_rl.app.run_dir import RunDir
+from moe_rl.app.stop_signals import NAMES as SIGNAL_NAMES
+from moe_rl.app.stop_signals import StopSignals, exit_code
 from moe_rl.app.wandb_logger import WandbLogger
 from moe_rl.core.settings import ConfigError, saved_run_config
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-rl", description="Train Mixture-of-Experts policies with RL on Ray.")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show every dependency's log line too (moe-rl drops a few named ones: moe_rl/app/console.py)")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train an MoE policy with PPO (embedded Ray, or RAY_ADDRESS)")
     t.add_argument("--config", help="run config YAML (default: the CartPole quickstart)")
@@ -155,6 +161,35 @@ def _check_resume(args, saved, new, other_config) -> None:
 
 
 def train_loop(config, cfg, run, resume_from=None) -> int:
+    """Train with a guardian beside the process (it reports a trainer that dies with its Ray
+    cluster) and Ctrl-C / SIGTERM turned into a clean stop after the current iteration."""
+    guardian = Guardian(run.path, run.location)
+
+    def first(signum):  # in a signal handler: os.write, never print (a print may be under way)
+        os.write(2, f"moe-rl: {SIGNAL_NAMES[signum]}: stopping after the running iteration, with a checkpoint "
+                    "(again to quit at once)\n".encode())
+
+    def second(signum):
+        newest = ck.newest_checkpoint(run.path)
+        reason = (f"stopped at once by a second {SIGNAL_NAMES[signum]}; nothing saved since the last checkpoint; "
+                  + (f"`moe-rl train --resume {run.location}` continues from {os.path.basename(newest)}" if newest
+                     else "no checkpoint yet: start the run again"))
+        guardian.progress("done")
+        run.mark_incomplete(reason)
+        os.write(2, f"moe-rl: error: {reason}\n".encode())
+
+    try:
+        with StopSignals(first, second) as stop:
+            return _train_loop(config, cfg, run, resume_from, stop, guardian)
+    except BaseException as e:   # a bug, or a lost cluster not recognised: the run directory says it stopped
+        if not os.path.exists(os.path.join(run.path, "INCOMPLETE")):
+            run.mark_incomplete(f"stopped by {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+        raise
+    finally:
+        guardian.finish()
+
+
+def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
     demand = run_demand(config)
     started_ray = ensure_ray(math.ceil(demand.total().get("CPU", 0)) + 1)   # + the driver's own work
     algo = None
@@ -172,6 +207,8 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
     print(f"moe-rl: run directory {run.location}" + (f" (staged in {run.path})" if run.mirror else ""),
           flush=True)
     last_verified, failures_in_a_row = -math.inf, 0
+    stopped = None   # (exit code, reason) when a signal or a lost cluster ends the run early
+    running = algo.iteration + 1
     wandb = None
     if cfg.get("wandb") is not None:
         wandb = WandbLogger(cfg["wandb"], run.resolved_config, run.path, os.path.basename(run.location))
@@ -189,6 +226,11 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
             print(f"moe-rl: resumed from {resume_from} (iteration {algo.iteration})", flush=True)
         restarts = int((run.rows[-1].get("faults/learner_restarts") or 0) if run.rows else 0)
         while algo.iteration < iterations:
+            if stop.requested:   # Ctrl-C / SIGTERM: the iteration that was running has finished
+                stopped = _stop_on_signal(algo, run, stop, keep)
+                break
+            running = algo.iteration + 1
+            guardian.progress(f"iteration {running}")
             try:  # one iteration: train, log, checkpoint (a learner may die in any of them)
                 result = algo.train()
                 row = metrics_row(result)
@@ -235,17 +277,77 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
         return _fail(str(e).replace("RUN_DIR", run.location), 1)
     except ck.LearnerFailure as e:
         return _fail(str(e), 1)
+    except Exception as e:
+        lost = cluster_lost()
+        if lost is None:
+            raise
+        stopped = 1, _lost_cluster(run, lost, running, e)
     finally:
         run.close()
         if wandb is not None:
             wandb.close()
-        algo.stop()
+        try:
+            algo.stop()
+        except Exception:
+            if stopped is None or stopped[0] != 1:   # with the cluster gone, its actors are gone too
+                raise
         if started_ray:
             ray.shutdown()
     report = os.path.relpath(write_report(run.path), run.path)
     run.sync()
+    if stopped is not None:
+        return _fail(stopped[1], stopped[0])
     print(f"moe-rl: done; run in {run.location} (metrics.parquet, {report})", flush=True)
+    run.clear_incomplete()   # a resumed run that reached its end is complete
     return 0
+
+
+def _stop_on_signal(algo, run, stop, keep):
+    """The iteration that was running when the signal came has finished: keep it in a verified
+    checkpoint (unless nothing was trained), and mark the run INCOMPLETE with the reason."""
+    i = algo.iteration
+    if i > 0:
+        path = os.path.join(run.checkpoints, ck.checkpoint_name(i))
+        fresh = not os.path.isdir(path)
+        if fresh:
+            path = ck.save_checkpoint(algo, run.checkpoints, i, run.resolved_config)
+        if fresh or not (run.rows and run.rows[-1].get("iteration") == i and run.rows[-1].get("checkpoint/verified")):
+            run.amend_last(_verify(algo, path, run.resolved_config))
+        ck.prune(run.checkpoints, keep)
+    good = ck.latest_good_checkpoint(run.path)
+    resume = (f"`moe-rl train --resume {run.location}` continues from {os.path.basename(good)}" if good
+              else "no checkpoint yet: start the run again")
+    reason = f"stopped by {stop.reason} after iteration {i}; {resume}"
+    run.mark_incomplete(reason)
+    return exit_code(stop.signum), reason
+
+
+def cluster_lost() -> Optional[str]:
+    """What went away, if the Ray cluster of this driver did; None while it is there."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is not None and node.is_head():   # the embedded Ray: its raylet and GCS are our children
+        dead = sorted({kind for kind, _ in node.dead_processes()} & {"raylet", "gcs_server"})
+        if dead:
+            return " and ".join(dead) + " died"
+    if not ray.is_initialized():
+        return "the connection to it was closed"
+    try:
+        me = ray.get_runtime_context().get_node_id()
+        if not any(n["NodeID"] == me and n["Alive"] for n in ray.nodes()):
+            return "this driver's node is no longer alive in it"
+    except Exception as e:   # the GCS does not answer
+        return f"its GCS does not answer ({type(e).__name__})"
+    return None
+
+
+def _lost_cluster(run, what, iteration, error) -> str:
+    good = ck.latest_good_checkpoint(run.path, log=lambda m: None)
+    resume = (f"`moe-rl train --resume {run.location}` will continue from {os.path.basename(good)}" if good
+              else "no good checkpoint was written yet: start the run again")
+    reason = (f"the Ray cluster went away during iteration {iteration} ({what}; {type(error).__name__}); "
+              f"no final checkpoint is possible; {resume}")
+    run.mark_incomplete(reason)
+    return reason
 
 
 MAX_LEARNER_RESTARTS_IN_A_ROW = 3
@@ -327,7 +429,9 @@ def ensure_ray(min_cpus: int) -> bool:
         return False
     if os.environ.get("RAY_ADDRESS"):
         phase = Phase(f"connecting to the Ray cluster at {os.environ['RAY_ADDRESS']}")
-        ray.init()
+        # The actors' output reaches this console (log_to_driver): the same named filters there.
+        ray.init(runtime_env=None if not console.is_quiet() else
+                 {"worker_process_setup_hook": "moe_rl.app.console.quiet_worker"})
     else:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         cpus = max(os.cpu_count() or 1, min_cpus)
@@ -382,6 +486,8 @@ def cmd_drift_study(args) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.verbose:
+        console.verbose()
     return {"train": cmd_train, "evaluate": cmd_evaluate, "drift-study": cmd_drift_study,
             "report": cmd_report}[args.command](args)
 

@@ -135,9 +135,16 @@ class RunDir:
         self._tb.flush()
 
     def mark_incomplete(self, reason: str) -> None:
-        """The run never started (or stopped before its first iteration): RUN_DIR/INCOMPLETE says why."""
+        """The run stopped before its end (never started, Ctrl-C, SIGTERM, a lost cluster, an
+        error): RUN_DIR/INCOMPLETE says why, and which checkpoint --resume continues from."""
         atomic_write_bytes(os.path.join(self.path, INCOMPLETE), (reason.rstrip() + "\n").encode())
         self.sync()
+
+    def clear_incomplete(self) -> None:
+        """A resumed run that reached its end is no longer incomplete."""
+        if os.path.exists(os.path.join(self.path, INCOMPLETE)):
+            os.remove(os.path.join(self.path, INCOMPLETE))
+            self.sync()
 
     def close(self) -> None:
         if self._tb is not None:
