@@ -24,6 +24,7 @@ import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 from actors.deepspeed_moe import shard_moe_layers
+from actors.startup import StartupReport, skip_unused_shm_comm_op
 from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
 from moe_rl.core.stability import StabilityToolkit, validate_stability
@@ -193,12 +194,17 @@ class LearnerActor:
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         backend = "nccl" if torch.cuda.is_available() and config.num_gpus_per_learner > 0 else "gloo"
-        deepspeed.init_distributed(backend, auto_mpi_discovery=False, verbose=False,
-                                   rank=self.rank, world_size=self.world_size)
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        self.learner = DeepSpeedPPOLearner(config=config, module_spec=module_spec)
-        self.learner.build()
+        job = ray.get_runtime_context().get_job_id()
+        with StartupReport(job, f"learner {self.rank}") as report:
+            skip_unused_shm_comm_op()
+            report.step(f"joining the {backend} process group ({self.world_size} learners)")
+            deepspeed.init_distributed(backend, auto_mpi_discovery=False, verbose=False,
+                                       rank=self.rank, world_size=self.world_size)
+            if config.seed is not None:
+                torch.manual_seed(config.seed)
+            report.step("building its DeepSpeed engines")
+            self.learner = DeepSpeedPPOLearner(config=config, module_spec=module_spec)
+            self.learner.build()
 
     def update(self, **kwargs):
         return self.learner.update(**kwargs)

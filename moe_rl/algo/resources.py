@@ -2,8 +2,8 @@
 
     demand = run_demand(config)                  # the bundles RLlib's own resource request uses
     print(describe(demand, cluster_view()))      # once, before any actor starts
-    with WaitWatch(demand, timeout_s):           # a progress line every 30 s while actors wait;
-        algo = config.build_algo()               # at the timeout the wait ends with ResourceWait
+    with WaitWatch(demand, timeout_s):           # a progress line every 30 s: what it waits for;
+        algo = config.build_algo()               # after timeout_s unplaced: ResourceWait
 
 The demand is computed with RLlib's own bundle functions (the same ones `Algorithm.
 default_resource_request` gives Tune, and the DeepSpeed learner group requests its placement
@@ -25,6 +25,7 @@ from ray.autoscaler.v2.utils import is_autoscaler_v2
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
 from ray.rllib.algorithms.utils import _get_env_runner_bundles, _get_main_process_bundle
 
+from actors.startup import read_steps
 from moe_rl.rllib.learner_group import learner_bundles
 
 Bundle = Dict[str, float]
@@ -134,33 +135,102 @@ def suggestion(config, missing: Bundle, total: Bundle) -> str:
     return "; or ".join(hints[:3]) if hints else "a bigger cluster"
 
 
-class WaitWatch:
-    """While the main thread builds the algorithm (actors and placement groups waiting for
-    resources), print a progress line every `every_s`; after `timeout_s` (None: never) interrupt
-    the main thread, which raises ResourceWait from the `with` block."""
+def fmt_free(bundle: Bundle) -> str:
+    """A cluster's free resources without the per-placement-group ones (CPU_group_<id>, ...)."""
+    return fmt_bundle({k: v for k, v in bundle.items() if "_group_" not in k and not k.startswith("bundle_group")})
 
-    def __init__(self, demand: Demand, timeout_s: Optional[float], every_s: float = 30.0, printer=print):
+
+@dataclass
+class Startup:
+    """What a building run waits for: actors and placement groups the scheduler has not placed
+    (a wait for resources), and what is placed but still starting (a worker process, an actor's
+    constructor, a learner joining its process group, building its engines or compiling)."""
+    unplaced: List[str] = field(default_factory=list)
+    starting: List[str] = field(default_factory=list)
+
+
+PENDING_ACTOR_STATES = ("DEPENDENCIES_UNREADY", "PENDING_CREATION", "RESTARTING")
+
+
+def startup_state(job_id: str) -> Startup:
+    """This job's placement groups and actors as the GCS sees them (no dashboard needed), plus the
+    steps its starting learners report (actors.startup). An actor has a worker address once its
+    worker is leased (resources granted, process up); until then it counts as not placed, which
+    includes the few seconds a new worker process takes to start."""
+    state = Startup()
+    for pg_id, pg in ray.util.placement_group_table().items():
+        if pg_id.endswith(job_id) and pg.get("state") in ("PENDING", "RESCHEDULING"):
+            need: Bundle = {}
+            for b in pg.get("bundles", {}).values():
+                for k, v in b.items():
+                    need[k] = need.get(k, 0.0) + float(v)
+            state.unplaced.append(f"a placement group ({fmt_bundle(need)})")
+    waiting: Dict[str, int] = {}
+    for info in ray._private.state.actors(job_id=ray.JobID.from_hex(job_id)).values():
+        if info["State"] not in PENDING_ACTOR_STATES:
+            continue
+        name = info["ActorClassName"]
+        if info["Address"]["Port"]:
+            state.starting.append(f"{name} (in its constructor)")
+        else:
+            waiting[name] = waiting.get(name, 0) + 1
+    state.unplaced += [f"{n} x {name}" for name, n in sorted(waiting.items())]
+    for who, (doing, secs) in sorted(read_steps(job_id).items(), key=lambda kv: -kv[1][1]):
+        state.starting.append(f"{who}: {doing} ({secs:.0f}s)")
+    return state
+
+
+class WaitWatch:
+    """While the main thread builds the algorithm, poll what it waits for and print a progress
+    line every `every_s` that says which: resources not placed yet, or actors placed and still
+    starting (the slowest first, with what it is doing: a compile says so). Only the time something
+    cannot be placed counts towards `timeout_s` (None: never): a slow start is not a missing
+    resource. At the timeout, interrupt the main thread, which raises ResourceWait from the block."""
+
+    def __init__(self, demand: Demand, timeout_s: Optional[float], every_s: float = 30.0, printer=print,
+                 poll_s: float = 2.0):
         self.demand, self.timeout_s, self.every_s, self.printer = demand, timeout_s, every_s, printer
+        self.poll_s = poll_s
         self._done = threading.Event()
         self._expired = False
         self._interrupts = 0
         self.t0 = 0.0
+        self.unplaced_s = 0.0   # time during which something of the run could not be placed
+
+    def _line(self, state: Startup, waited: float) -> str:
+        total, free, scaler = cluster_view()
+        if state.unplaced:
+            return (f"moe-rl: waiting {waited:.0f}s for resources: not placed yet: {', '.join(state.unplaced)} "
+                    f"(the run needs {fmt_bundle(self.demand.total())}; free now: {fmt_free(free)} of "
+                    f"{fmt_free(total)}); "
+                    + ("an autoscaler is attached: waiting is right" if scaler else "no autoscaler")
+                    + ("" if self.timeout_s is None else
+                       f"; giving up in {max(0, self.timeout_s - self.unplaced_s):.0f}s"))
+        if state.starting:
+            return (f"moe-rl: {waited:.0f}s: the run's actors are placed, still starting: {'; '.join(state.starting)}"
+                    " (no time limit: cluster.wait_timeout_s counts only resources that cannot be placed)")
+        return f"moe-rl: {waited:.0f}s: building the algorithm (nothing waits for resources)"
 
     def _watch(self) -> None:
-        while not self._done.wait(self.every_s if self.timeout_s is None else min(
-                self.every_s, max(0.0, self.timeout_s - (time.monotonic() - self.t0)))):
-            waited = time.monotonic() - self.t0
+        job = ray.get_runtime_context().get_job_id()
+        last = next_line = time.monotonic()
+        next_line += self.every_s
+        while not self._done.wait(self.poll_s):
+            now = time.monotonic()
             try:
-                total, free, scaler = cluster_view()
-                self.printer(f"moe-rl: waiting {waited:.0f}s for the run's actors to be placed (it needs "
-                             f"{fmt_bundle(self.demand.total())}; free now: {fmt_bundle(free)} of "
-                             f"{fmt_bundle(total)}); "
-                             + ("an autoscaler is attached: waiting is right" if scaler else "no autoscaler")
-                             + ("" if self.timeout_s is None else
-                                f"; giving up in {max(0, self.timeout_s - waited):.0f}s"), flush=True)
-            except Exception:   # a progress line is never worth the give-up
-                pass
-            if self.timeout_s is not None and waited >= self.timeout_s:
+                state = startup_state(job)
+            except Exception:   # a progress line is never worth the give-up: count the time as before
+                state = Startup(unplaced=["(unknown: the cluster state could not be read)"])
+            if state.unplaced:
+                self.unplaced_s += now - last
+            last = now
+            if now >= next_line:
+                next_line = now + self.every_s
+                try:
+                    self.printer(self._line(state, now - self.t0), flush=True)
+                except Exception:
+                    pass
+            if self.timeout_s is not None and self.unplaced_s >= self.timeout_s:
                 self._expired = True
                 # The main thread sits in a blocking Ray call: interrupt it, again if one is lost.
                 while not self._done.wait(0 if not self._interrupts else 2.0) and self._interrupts < 30:
