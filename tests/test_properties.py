@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moe_rl.core.buckets import bucket_bytes_of, pack, plan_buckets, unpack
@@ -22,7 +22,7 @@ thresholds = st.floats(1e-12, 1e6, allow_nan=False, allow_infinity=False)
 
 @st.composite
 def correction_settings(draw):
-    """Any combination the settings allow, including ones they must refuse."""
+    """Any combination of the settings, including ones they must refuse (see `resolved`)."""
     mode = draw(st.sampled_from(["decoupled", "bypass"]))
     d = {"mode": mode,
          "is_level": draw(st.sampled_from([None, "token", "sequence"])),
@@ -31,6 +31,11 @@ def correction_settings(draw):
          "rs_threshold": draw(thresholds), "rs_threshold_lower": draw(st.none() | thresholds),
          "veto_threshold": draw(st.none() | thresholds),
          "routing_rs": draw(st.sampled_from(["off", "any", "share"]))}
+    return d
+
+
+def resolved(d):
+    """The resolved setting, or None where resolve_correction refuses it."""
     try:
         return resolve_correction(d)
     except ConfigError:
@@ -52,9 +57,14 @@ def rollout_batch(draw):
     return torch.tensor(lr, dtype=torch.float64), torch.tensor(valid), torch.tensor(seq)
 
 
+ZEROS = (torch.zeros(2, dtype=torch.float64), torch.tensor([True, False]), torch.tensor([0, 0]))
+
+
 @FAST
 @given(correction_settings(), rollout_batch())
-def test_a_valid_setting_never_rejects_a_step_whose_ratio_is_one(s, batch):
+@example({"rs_level": "token", "rs_threshold": 0.5}, ZEROS)   # accepted on e14abeb: rejected everything
+def test_a_valid_setting_never_rejects_a_step_whose_ratio_is_one(d, batch):
+    s = resolved(d)
     if s is None or s["veto_threshold"] and s["veto_threshold"] > 1:
         return   # refused; or a veto above 1, which by definition drops whole sequences of ordinary steps
     _, valid, seq = batch
@@ -64,7 +74,8 @@ def test_a_valid_setting_never_rejects_a_step_whose_ratio_is_one(s, batch):
 
 @FAST
 @given(correction_settings(), rollout_batch())
-def test_the_correction_is_the_identity_when_rollout_equals_trainer(s, batch):
+def test_the_correction_is_the_identity_when_rollout_equals_trainer(d, batch):
+    s = resolved(d)
     if s is None or s["veto_threshold"] and s["veto_threshold"] > 1:
         return
     _, valid, seq = batch
@@ -75,7 +86,8 @@ def test_the_correction_is_the_identity_when_rollout_equals_trainer(s, batch):
 
 @FAST
 @given(correction_settings(), rollout_batch())
-def test_weights_are_finite_and_masked_rows_never_kept(s, batch):
+def test_weights_are_finite_and_masked_rows_never_kept(d, batch):
+    s = resolved(d)
     if s is None:
         return
     lr, valid, seq = batch
