@@ -1,17 +1,24 @@
-"""Gymnasium environments for MoE-RL (gymnasium + numpy only). Importing registers them."""
+"""Gymnasium environments for MoE-RL (gymnasium + numpy; minigrid, imported when a MiniGrid env is made).
+Importing registers them."""
 import gymnasium
 
+from envs.minigrid_mt import MultiTaskMiniGrid
 from envs.multitask import MultiTaskEnv
 from envs.token_sequence import TokenSequenceEnv
 
-__all__ = ["MultiTaskEnv", "TokenSequenceEnv"]
+__all__ = ["MultiTaskEnv", "MultiTaskMiniGrid", "TokenSequenceEnv"]
 
 _ENTRY_POINTS = {
-    "moe_rl/MultiTask-v0": "envs.multitask:MultiTaskEnv",
-    "moe_rl/TokenSequence-v0": "envs.token_sequence:TokenSequenceEnv",
+    "moe_rl/MultiTask-v0": ("envs.multitask:MultiTaskEnv", {}),
+    "moe_rl/TokenSequence-v0": ("envs.token_sequence:TokenSequenceEnv", {}),
+    # Multi-task MiniGrid (MOORE's suites; MiniGrid-MT-v0 takes env_config {tasks: [...]}).
+    "moe_rl/MiniGrid-MT-v0": ("envs.minigrid_mt:MultiTaskMiniGrid", {}),
+    "moe_rl/MiniGrid-MT3-v0": ("envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT3"}),
+    "moe_rl/MiniGrid-MT5-v0": ("envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT5"}),
+    "moe_rl/MiniGrid-MT7-v0": ("envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT7"}),
 }
 
 # Guarded: re-importing (importlib.reload, Ray workers that import twice) must not warn or fail.
-for _env_id, _entry_point in _ENTRY_POINTS.items():
+for _env_id, (_entry_point, _kwargs) in _ENTRY_POINTS.items():
     if _env_id not in gymnasium.registry:
-        gymnasium.register(id=_env_id, entry_point=_entry_point)
+        gymnasium.register(id=_env_id, entry_point=_entry_point, kwargs=_kwargs)

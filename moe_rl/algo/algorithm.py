@@ -52,6 +52,7 @@ from moe_rl.rllib.learner import MoEPPOTorchLearner
 from moe_rl.rllib.learner_group import MoELearnerGroup
 from moe_rl.rllib.rl_module import MoEPolicyModule
 from moe_rl.rllib.runner import load_shards_into_runner, runner_dtypes, runner_modules
+from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
 
 __all__ = ["MoEPPOConfig", "MoEPPO", "GateStop"]
 
@@ -70,6 +71,9 @@ class MoEPPOConfig(PPOConfig):
         self.stability_settings: Dict[str, Any] = {}
         self.consistency_settings: Dict[str, Any] = {}
         self.weight_sync_settings: Dict[str, Any] = {}
+        # Per-task returns, success and routing for multi-task envs (nothing for the others). A
+        # user's own `.callbacks(...)` replaces it, as in RLlib: list both to keep it.
+        self.callbacks_class = TaskEpisodeMetrics
 
     # Builders take every key explicitly (as RLlib's own builders do), so help() and an IDE show
     # them; `**unknown` only turns a misspelt key into the one ConfigError form naming the allowed
@@ -108,6 +112,7 @@ class MoEPPOConfig(PPOConfig):
         trainer_random_token_selection: bool = NotProvided,
         vf_hiddens: List[int] = NotProvided,
         task_slice: Optional[List[int]] = NotProvided,
+        encoder: str = NotProvided,
         max_seq_len: int = NotProvided,
         positions: str = NotProvided,
         num_heads: int = NotProvided,
@@ -158,7 +163,11 @@ class MoEPPOConfig(PPOConfig):
             trainer_second_expert_sampling: DeepSpeed learner only: Gumbel-sample the 2nd expert.
             trainer_random_token_selection: DeepSpeed learner only: random survivors at capacity.
             vf_hiddens: value network widths (kept outside the MoE).
-            task_slice: [start, num_tasks]: a one-hot task id inside vector observations (router "task").
+            task_slice: [start, num_tasks]: a one-hot task id inside vector observations, or inside
+                a Dict observation's "task" entry (router "task").
+            encoder: auto | flat | conv: what reads the observation before the MoE blocks; auto:
+                a small CNN for image observations ((H, W, C), or a Dict with "image"), else the
+                raw vector (moe_rl.core.encoders).
             max_seq_len: token-sequence policies: context length of the transformer; under
                 positions "relative", the longest distance with an attention bias of its own.
             positions: token-sequence policies: learned (absolute position embeddings, sequences

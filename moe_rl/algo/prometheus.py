@@ -11,6 +11,7 @@ family name (joined with `_`, sanitised to [a-zA-Z0-9_], prefixed `moe_rl_`):
     e{j}                  -> expert="j"    moe/layer0/util/e3   -> moe_rl_moe_util{layer="0",expert="3"}
     rank{r}               -> rank="r"      learner/rss_mb/rank0 -> moe_rl_learner_rss_mb{rank="0"}
     runner{i}, driver     -> actor=...     memory/rss_mb/runner1 -> moe_rl_memory_rss_mb{actor="runner1"}
+    task/<name>/...       -> task=<name>   task/LavaGapS7/return -> moe_rl_task_return{task="LavaGapS7"}
 
 `moe/cv` (the worst layer) is the same family with an empty `layer` (PromQL: `layer=""`);
 `moe/layer{i}/health` (the per-layer grade 0|1|2) joins `moe_rl_moe_health_level`. Every
@@ -67,7 +68,10 @@ def metric_name_and_tags(key: str) -> Tuple[str, Dict[str, str]]:
     """Metrics-row column -> (metric family name, tags), e.g.
     `moe/layer0/util/e3` -> (`moe_rl_moe_util`, {"layer": "0", "expert": "3"})."""
     parts, tags = [], {}
-    for comp in key.split("/"):
+    comps = key.split("/")
+    if comps[0] == "task" and len(comps) > 2:   # task/<name>/...: the task's name is a tag
+        tags["task"] = comps.pop(1)
+    for comp in comps:
         for tag, pattern in _TAGS:
             m = pattern.fullmatch(comp)
             if m and tag not in tags:

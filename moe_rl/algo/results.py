@@ -16,6 +16,8 @@ prefixed `moe_rl_`, Prometheus names):
     sample_s, check_s, learn_s, sync_s, env_steps_per_s   where the iteration's time went
     alerts/new, alerts/total, memory/rss_mb/<actor>, learner/<stat>/rank{r}
     faults/<counter>, checkpoint/verified, checkpoint/verify_max_abs_diff
+    task/<name>/return, .../success, .../length, task/<name>/experts/layer{i}/e{j} (share)
+    task_return_mean, task_return_min      multi-task envs (moe_rl.rllib.task_metrics)
 """
 from __future__ import annotations
 
@@ -78,8 +80,32 @@ def metrics_row(result: Dict[str, Any]) -> Dict[str, Any]:
         if moe:
             worst = max(moe, key=lambda m: _float(learners[m].get("moe/health")))
             row.update({k: v for k, v in _learner_columns(learners[worst]).items() if k.startswith("moe/")})
+    row.update(task_columns(runners))
     for k, v in sorted(result.get("moe_rl", {}).items()):  # algorithm-level figures (drift, ...)
         row[k] = v if isinstance(v, str) else _float(v)
+    return row
+
+
+def task_columns(runners: Dict[str, Any]) -> Dict[str, Any]:
+    """Per-task figures (moe_rl.rllib.task_metrics): return / success / length as logged, routing
+    counts as each task's share of its layer's tokens, and the headline pair `task_return_mean`
+    (the average over tasks, MOORE's "average return") and `task_return_min` (the worst task)."""
+    row: Dict[str, Any] = {}
+    totals: Dict[str, float] = {}
+    for k, v in runners.items():
+        if not k.startswith("task/"):
+            continue
+        if "/experts/" in k:
+            layer = k.rsplit("/", 1)[0]
+            totals[layer] = totals.get(layer, 0.0) + _float(v)
+        row[k] = _float(v)
+    for k in row:
+        if "/experts/" in k:
+            total = totals[k.rsplit("/", 1)[0]]
+            row[k] = row[k] / total if total > 0 else math.nan
+    returns = [v for k, v in row.items() if k.endswith("/return") and not math.isnan(v)]
+    if returns:
+        row["task_return_mean"], row["task_return_min"] = sum(returns) / len(returns), min(returns)
     return row
 
 

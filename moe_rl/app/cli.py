@@ -38,7 +38,7 @@ from moe_rl.algo.sync_gate import GateStop
 from moe_rl.app import checkpoint as ck
 from moe_rl.app import console
 from moe_rl.app.drift_study import SOURCES, run_study, trained_policy
-from moe_rl.app.evaluate import evaluate_run
+from moe_rl.app.evaluate import evaluate_run, evaluate_tasks
 from moe_rl.app.guardian import Guardian
 from moe_rl.app.report import write_report
 from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
@@ -78,9 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--output", default="runs/drift-study")
     r = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained plots of a run)")
     r.add_argument("run_dir")
-    e = sub.add_parser("evaluate", help="load a run's last checkpoint and report the mean return")
+    e = sub.add_parser("evaluate", help="load a run's last checkpoint and report the mean return (greedy), "
+                                        "or per task with sampled and greedy actions for a multi-task env")
     e.add_argument("run_dir")
-    e.add_argument("--episodes", type=int, default=10)
+    e.add_argument("--episodes", type=int, default=None,
+                   help="episodes (default 10); per task and mode for a multi-task env (default 16)")
     return p
 
 
@@ -238,13 +240,7 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
                 run.log(row, result.get("moe_rl_drift", ()), result.get("moe_rl_alerts", ()))
                 if wandb is not None:
                     wandb.log(row, result.get("moe_rl_alerts", []))
-                print(f"iter {row['iteration']:4d}  steps {row['env_steps_total']:8d}  "
-                      f"return {row['episode_return_mean']:8.2f}  health {row.get('moe/health', '-'):8s}  "
-                      f"cv {row.get('moe/cv', float('nan')):.2f}  "
-                      f"drift k3 {row.get('drift/k3', float('nan')):.2g}  "
-                      f"{row.get('env_steps_per_s', float('nan')):5.0f} steps/s (sample {row.get('sample_s', 0):.1f}s "
-                      f"learn {row.get('learn_s', 0):.1f}s check {row.get('check_s', 0):.1f}s "
-                      f"sync {row.get('sync_s', 0):.1f}s)  {row['time_s']:.0f}s", flush=True)
+                print(progress_line(row), flush=True)
                 for a in result.get("moe_rl_alerts", []):
                     print(f"  alert: {a['kind']} {a['message']}", flush=True)
                 i = row["iteration"]
@@ -353,6 +349,22 @@ def _lost_cluster(run, what, iteration, error) -> str:
 MAX_LEARNER_RESTARTS_IN_A_ROW = 3
 
 
+def progress_line(row) -> str:
+    """One iteration on the console; a multi-task env adds the average over tasks and the worst task."""
+    tasks = ""
+    if "task_return_mean" in row:
+        worst = min((k for k in row if k.startswith("task/") and k.endswith("/return") and row[k] == row[k]),
+                    key=row.get)
+        tasks = f"  tasks avg {row['task_return_mean']:.2f} worst {worst.split('/')[1]} {row[worst]:.2f}"
+    return (f"iter {row['iteration']:4d}  steps {row['env_steps_total']:8d}  "
+            f"return {row['episode_return_mean']:8.2f}{tasks}  health {row.get('moe/health', '-'):8s}  "
+            f"cv {row.get('moe/cv', float('nan')):.2f}  "
+            f"drift k3 {row.get('drift/k3', float('nan')):.2g}  "
+            f"{row.get('env_steps_per_s', float('nan')):5.0f} steps/s (sample {row.get('sample_s', 0):.1f}s "
+            f"learn {row.get('learn_s', 0):.1f}s check {row.get('check_s', 0):.1f}s "
+            f"sync {row.get('sync_s', 0):.1f}s)  {row['time_s']:.0f}s")
+
+
 def _continue_run(algo, run, checkpoint) -> None:
     """Tables continue from the restored iteration (later rows are trained again); checkpoints
     newer than the restored one failed verification: out of the iter_* namespace with them."""
@@ -436,7 +448,9 @@ def ensure_ray(min_cpus: int) -> bool:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         cpus = max(os.cpu_count() or 1, min_cpus)
         phase = Phase(f"starting a local Ray on 127.0.0.1 ({cpus} logical CPUs)")
-        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=cpus)
+        # address="local": a new Ray of our own, never another user's head that ray.init() would
+        # otherwise find on this host (it then also refuses num_cpus)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=cpus)
     phase.done()
     return True
 
@@ -450,10 +464,28 @@ def cmd_report(args) -> int:
     return 0
 
 
+def tasks_table(tasks, episodes: int) -> str:
+    """Per-task evaluation as a table; its last row is the average over tasks (MOORE's headline)."""
+    lines = [f"{'task':24s} {'sampled return':>15s} {'success':>8s} {'greedy return':>14s} {'success':>8s}"
+             f"   ({episodes} episodes per task and mode)"]
+    for name, f in tasks.items():
+        lines.append(f"{name:24s} {f['sampled_return']:15.3f} {f['sampled_success']:8.2f} "
+                     f"{f['greedy_return']:14.3f} {f['greedy_success']:8.2f}")
+    avg = {k: sum(f[k] for f in tasks.values()) / len(tasks) for k in next(iter(tasks.values()))}
+    lines.append(f"{'average over tasks':24s} {avg['sampled_return']:15.3f} {avg['sampled_success']:8.2f} "
+                 f"{avg['greedy_return']:14.3f} {avg['greedy_success']:8.2f}")
+    return "\n".join(lines)
+
+
 def cmd_evaluate(args) -> int:
 
     try:
-        mean, returns = evaluate_run(args.run_dir, args.episodes)
+        n = args.episodes
+        tasks = evaluate_tasks(args.run_dir, 16 if n is None else n)
+        if tasks:
+            print(tasks_table(tasks, 16 if n is None else n))
+            return 0
+        mean, returns = evaluate_run(args.run_dir, 10 if n is None else n)
     except ConfigError as e:
         return _fail(str(e))
     print(f"mean return over {len(returns)} episodes: {mean:.2f}")

@@ -1,9 +1,9 @@
-"""Greedy evaluation of a run's newest good checkpoint (no Ray cluster needed: the policy loads
-from disk, then steps a local gymnasium env)."""
+"""Evaluation of a run's newest good checkpoint (no Ray cluster needed: the policy loads from disk,
+then steps a local gymnasium env): greedy episodes, and per task for a multi-task env."""
 from __future__ import annotations
 
 import os
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import gymnasium as gym
 import numpy as np
@@ -24,10 +24,14 @@ def _to_tensor(obs):
     return torch.as_tensor(np.asarray(obs, dtype=np.float32))[None]
 
 
-def greedy_action(module, obs, action_space):
+def greedy_action(module, obs, action_space, generator=None):
+    """The policy's most likely action; with a `generator`, an action sampled from the policy
+    (discrete actions; MOORE's evaluation samples)."""
     with torch.no_grad():
         logits = module.forward_inference({Columns.OBS: _to_tensor(obs)})[Columns.ACTION_DIST_INPUTS][0]
     if hasattr(action_space, "n"):
+        if generator is not None:
+            return int(torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=generator))
         return int(logits.argmax())
     mean = logits[: logits.shape[0] // 2].numpy()
     return np.clip(mean, action_space.low, action_space.high)
@@ -66,6 +70,48 @@ def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
         returns.append(total)
     env.close()
     return float(np.mean(returns)), returns
+
+
+def evaluate_tasks(run_dir: str, episodes: int = 16) -> Dict[str, Dict[str, float]]:
+    """A multi-task run (an env with `task_names`, e.g. moe_rl/MiniGrid-MT3-v0): evaluate_module_tasks
+    on its newest good checkpoint. {} for a single-task env."""
+    if episodes < 1:
+        raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
+    cfg, ckpt = load_run(run_dir)
+    if cfg.get("multi_agent"):
+        return {}
+    env = gym.make(cfg["env"], **(cfg.get("env_config") or {}))
+    if not getattr(env.unwrapped, "task_names", None):
+        return {}
+    module = load_policy(ckpt, cfg, env.observation_space, env.action_space).eval()
+    try:
+        return evaluate_module_tasks(module, env, episodes, int(cfg.get("seed", 0)) + 10_000)
+    finally:
+        env.close()
+
+
+def evaluate_module_tasks(module, env, episodes: int, seed: int) -> Dict[str, Dict[str, float]]:
+    """Per task of a multi-task env: the mean undiscounted return and the success rate over `episodes`
+    episodes with sampled actions (MOORE's protocol) and with greedy ones. Any RLModule whose
+    forward_inference gives action logits (the bench's dense peer too)."""
+    out: Dict[str, Dict[str, float]] = {}
+    for task, name in enumerate(env.unwrapped.task_names):
+        figures = out.setdefault(name, {})
+        for mode in ("sampled", "greedy"):
+            generator = torch.Generator().manual_seed(seed + task) if mode == "sampled" else None
+            returns, successes = [], []
+            for ep in range(episodes):
+                obs, _ = env.reset(seed=seed + ep, options={"task_id": task})
+                total, done, info = 0.0, False, {}
+                while not done:
+                    obs, r, term, trunc, info = env.step(greedy_action(module, obs, env.action_space, generator))
+                    total += float(r)
+                    done = term or trunc
+                returns.append(total)
+                successes.append(float(info.get("success", False)))
+            figures[f"{mode}_return"] = float(np.mean(returns))
+            figures[f"{mode}_success"] = float(np.mean(successes))
+    return out
 
 
 def _evaluate_multi_agent(cfg, ckpt, episodes: int, seed: int) -> Tuple[float, List[float]]:

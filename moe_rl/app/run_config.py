@@ -129,6 +129,7 @@ def validate_run_config(cfg: Dict[str, Any]):
     if not env:
         raise ConfigError("env: must be a gymnasium environment id or an import path, got nothing")
     config = MoEPPOConfig().environment(_resolve_env(env), env_config=cfg.get("env_config") or {})
+    _check_own_env(env, cfg.get("env_config") or {}, {**MOE_DEFAULTS, **(cfg.get("moe") or {})})
     for section in SECTIONS:
         values = cfg.get(section) or {}
         if not isinstance(values, dict):
@@ -216,6 +217,27 @@ def _check_env(env_id: str) -> None:
     except Exception:
         raise ConfigError(f"env: must be a registered gymnasium id (e.g. CartPole-v1, moe_rl/MultiTask-v0), "
                           f"got {env_id!r}") from None
+
+
+def _check_own_env(env_id: str, env_config: Dict[str, Any], moe: Dict[str, Any]) -> None:
+    """moe-rl's own envs are cheap to build: build one here, so a bad env_config (an unknown MiniGrid
+    task, tasks that do not share an action space, an empty list) fails before any actor starts, and
+    a task router is checked against the env's task count."""
+    if not env_id.startswith("moe_rl/"):
+        return
+    try:
+        env = gym.make(env_id, **env_config)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"env_config.{e}" if str(e).split(":")[0].split("[")[0].isidentifier()
+                          else f"env_config: {e}") from None
+    space = env.observation_space
+    env.close()
+    if moe.get("router") == "task" and isinstance(space, gym.spaces.Dict) and "task" in space.spaces:
+        n = int(space["task"].shape[0])
+        if moe.get("task_slice") != [0, n] or (moe.get("router_kwargs") or {}).get("num_tasks") != n:
+            raise ConfigError(f"moe.task_slice: must be [0, {n}] with moe.router_kwargs.num_tasks {n} for {env_id} "
+                              f"({n} tasks), got task_slice {moe.get('task_slice')!r} and num_tasks "
+                              f"{(moe.get('router_kwargs') or {}).get('num_tasks')!r}")
 
 
 def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:

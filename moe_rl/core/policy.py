@@ -1,6 +1,6 @@
 """Policy trunks built from the MoE core (pure torch).
 
-- MoEMLPTrunk: vector observations -> tanh(Linear) -> L residual MoE blocks.
+- MoEMLPTrunk: vector or image observations -> encoder -> tanh(Linear) -> L residual MoE blocks.
 - MoETransformerTrunk: token-history observations -> small causal transformer whose feed-forward
   sublayers are MoE layers; the feature of the last filled position drives the action.
 
@@ -10,12 +10,15 @@ trainer routings line up one-to-one.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Union
 
+import gymnasium as gym
+import numpy as np
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.experts import Activation, tanh
 from moe_rl.core.layer import MoELayer
 from moe_rl.core.routing import RoutingRecord
@@ -58,23 +61,22 @@ def _replay_for(replay: Optional[torch.Tensor], i: int) -> Optional[torch.Tensor
 
 
 class MoEMLPTrunk(nn.Module):
-    """obs [B, obs_dim] -> features [B, d]. task_index: column of a one-hot task id block
-    (start, length) in the observation, used by the task-conditioned router."""
+    """obs -> encoder (moe_rl.core.encoders: flat vector, or a CNN for images) -> tanh(Linear) -> L
+    residual MoE blocks -> features [B, d]. The encoder also reads the task id (task_slice) that the
+    task-conditioned router routes on. An int stands for a flat vector of that length."""
 
-    def __init__(self, obs_dim: int, s: dict, task_slice: Optional[Tuple[int, int]] = None):
+    def __init__(self, encoder: Union[int, ObservationEncoder], s: dict, task_slice: Optional[Sequence[int]] = None):
         super().__init__()
-        self.embed = nn.Linear(obs_dim, s["d_model"])
+        if isinstance(encoder, int):
+            encoder = ObservationEncoder(gym.spaces.Box(-np.inf, np.inf, (encoder,)), "flat", task_slice)
+        self.encoder = encoder
+        self.embed = nn.Linear(encoder.out_dim, s["d_model"])
         self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s["num_layers"]))
-        self.task_slice = task_slice
         self.checkpointing = s["activation_checkpointing"]
 
-    def forward(self, obs: torch.Tensor, replay: Optional[torch.Tensor] = None, explore: bool = False):
-        obs = obs.reshape(obs.shape[0], -1)
-        task_ids = None
-        if self.task_slice is not None:
-            a, n = self.task_slice
-            task_ids = obs[:, a:a + n].argmax(-1)
-        h = tanh(self.embed(obs))
+    def forward(self, obs, replay: Optional[torch.Tensor] = None, explore: bool = False):
+        features, task_ids = self.encoder(obs)
+        h = tanh(self.embed(features))
         records: List[RoutingRecord] = []
         for i, block in enumerate(self.blocks):
             h, rec = maybe_checkpoint(self.checkpointing, block, h, _replay_for(replay, i), task_ids, explore)

@@ -10,6 +10,7 @@ import math
 from typing import Any, Dict, Optional
 
 from moe_rl.core.balance import BALANCE_MODES
+from moe_rl.core.encoders import ENCODERS
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.errors import need as _need
 from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS
@@ -59,7 +60,10 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "trainer_second_expert_sampling": False,  # Gumbel-sample the 2nd expert (DeepSpeed default)
     "trainer_random_token_selection": False,  # random survivors at capacity (DeepSpeed's RTS)
     "vf_hiddens": [64, 64],    # value network (kept outside the MoE)
-    "task_slice": None,        # [start, num_tasks]: one-hot task id inside vector obs (router "task")
+    "task_slice": None,        # [start, num_tasks]: one-hot task id inside vector obs, or inside a Dict
+                               # observation's "task" entry (router "task")
+    "encoder": "auto",         # auto | flat | conv: what reads the observation before the MoE blocks
+                               # (auto: a small CNN for image observations, the raw vector otherwise)
     "max_seq_len": 64,         # token-sequence policies: context length of the transformer (positions
                                # relative: the longest distance with a bias of its own; any length runs)
     "positions": "learned",    # token-sequence policies: learned (absolute embeddings) | relative
@@ -125,6 +129,7 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
         nt = s["router_kwargs"].get("num_tasks")
         _need(_is_int(nt) and nt >= 1, "moe.router_kwargs.num_tasks", "an int >= 1 for router 'task'", nt)
         _need(ts is not None and ts[1] == nt, "moe.task_slice", f"[start, {nt}] for router 'task'", ts)
+    _need(s["encoder"] in ENCODERS, "moe.encoder", f"one of {ENCODERS}", s["encoder"])
     _need(isinstance(s["shared_expert"], bool), "moe.shared_expert", "true or false", s["shared_expert"])
     _need(_is_num(s["expert_dropout"]) and 0 <= s["expert_dropout"] < 1, "moe.expert_dropout",
           "a number in [0, 1)", s["expert_dropout"])

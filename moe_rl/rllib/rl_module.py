@@ -1,8 +1,9 @@
 """MoEPolicyModule: RLlib TorchRLModule whose policy trunk is an MoE network.
 
-- Vector observations -> MoEMLPTrunk; {"tokens", "position"} observations -> MoETransformerTrunk.
-- The value function is a separate MLP on the raw observation: value passes never route tokens,
-  and the inference copy on the EnvRunners drops it (InferenceOnlyAPI).
+- Vector and image observations -> MoEMLPTrunk (a CNN encoder for images: moe.encoder);
+  {"tokens", "position"} observations -> MoETransformerTrunk.
+- The value function is a separate MLP on the raw observation (behind a CNN of its own for images):
+  value passes never route tokens, and the inference copy on the EnvRunners drops it (InferenceOnlyAPI).
 - The inference copy's numeric setup follows `moe.inference_dtype` (fp32 | bf16): a real source of
   training-inference drift that the consistency checks must be able to see.
 - Every forward also returns MOE_TOPK [B, L, k] (small ints; a capacity-dropped assignment e is
@@ -20,11 +21,13 @@ from typing import Any, Dict, List, Optional
 import gymnasium as gym
 import numpy as np
 import torch
+import tree
 from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from torch import nn
 
+from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk, mlp, policy_head
 from moe_rl.core.settings import MOE_DEFAULTS, resolve_gate_normalization, validate_moe
@@ -86,9 +89,12 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.trunk = MoETransformerTrunk(vocab, s)
             vf_in = int(np.prod(obs_space["tokens"].shape)) + 1
         else:
-            obs_dim = int(np.prod(obs_space.shape))
-            self.trunk = MoEMLPTrunk(obs_dim, s, s["task_slice"])
-            vf_in = obs_dim
+            self.trunk = MoEMLPTrunk(ObservationEncoder(obs_space, s["encoder"], s["task_slice"]), s)
+            vf_in = self.trunk.encoder.out_dim
+            if self.trunk.encoder.cnn is not None and not self.inference_only:
+                # The value function shares nothing with the policy: an encoder of its own (value
+                # passes never route tokens, and the rollout copy drops both).
+                self.vf_encoder = ObservationEncoder(obs_space, "conv")
         if isinstance(self.action_space, gym.spaces.Discrete):
             self.pi = policy_head(s["policy_head"], s["d_model"], int(self.action_space.n))
             self.log_std = None
@@ -126,12 +132,14 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     # --- InferenceOnlyAPI -------------------------------------------------------------------------
     def get_non_inference_attributes(self) -> List[str]:
-        return ["vf"]
+        return ["vf", "vf_encoder"] if hasattr(self, "vf_encoder") else ["vf"]
 
     # --- forward passes ---------------------------------------------------------------------------
     def _trunk_input(self, obs):
         if self.is_token_policy:
             return obs
+        if isinstance(obs, dict):   # an image with its task vector (uint8 grids become floats here)
+            return {k: v.to(self.compute_dtype) for k, v in obs.items()}
         return obs.to(self.compute_dtype)
 
     def _policy(self, batch: Dict[str, Any], replay=None, explore: bool = False):
@@ -143,7 +151,7 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def _forward(self, batch: Dict[str, Any], explore: bool = False, **kwargs) -> Dict[str, Any]:
         obs = batch[Columns.OBS]
-        if not self.is_token_policy and torch.is_floating_point(obs):
+        if torch.is_tensor(obs) and torch.is_floating_point(obs):
             # A NaN/Inf observation must not crash the rollout actor (NaN action probabilities);
             # it acts on zeros here and its episode is dropped before learning (moe_rl.core.sample_filter).
             batch = {**batch, Columns.OBS: torch.nan_to_num(obs, nan=0.0, posinf=0.0, neginf=0.0)}
@@ -165,4 +173,6 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         obs = batch[Columns.OBS]
         if self.is_token_policy:
             obs = torch.cat([obs["tokens"].float(), obs["position"].float().reshape(-1, 1)], -1)
+        elif hasattr(self, "vf_encoder"):
+            obs, _ = self.vf_encoder(tree.map_structure(lambda x: x.float(), obs))
         return self.vf(obs.float().reshape(obs.shape[0], -1)).squeeze(-1)
