@@ -7,6 +7,8 @@ prefixed `moe_rl_`, Prometheus names):
     policy_loss, vf_loss, entropy, mean_kl_loss, aux_loss, z_loss, weights_seq_no,
     moe/cv, moe/min_util, moe/max_util, moe/active_experts, moe/router_entropy,
     moe/router_entropy_norm, moe/health (healthy|warning|danger), moe/health_level (0|1|2),
+    moe/dead_experts, moe/idle_experts, moe/marginal_entropy_norm, moe/collapse_updates (what the
+    grade judges: moe_rl.core.health, docs/stability.md), moe/load_grade (the seeds' table, 0|1|2),
     moe/layer{i}/<same metrics>            per MoE layer; the moe/<metric> columns hold the worst layer.
     moe/layer{i}/util/e{j}, .../logit_mean/e{j}, .../logit_std/e{j}   per expert (N <= 64)
     stability/grad_norm/<group>, stability/grad_norm/total, stability/clip_coef/<group>,
