@@ -156,11 +156,14 @@ def test_a_killed_raylet_gives_one_line_incomplete_and_a_nonzero_exit(tmp_path):
     assert user.finish() != 0
     ours = [line for line in user.err if line.startswith("moe-rl: error: ")]
     assert len(ours) == 1, user.err
-    assert ours[0].startswith("moe-rl: error: the Ray cluster went away during iteration "), ours
+    # Ray's core worker may end the process itself (the guardian speaks) or a Ray call fails first
+    # (the loop speaks): the same words either way.
+    assert re.match(r"moe-rl: error: the Ray cluster went away (during|after) iteration \d+ \(raylet died", ours[0]), \
+        user.err
     resume = f"`moe-rl train --resume {run}` will continue from iter_00000"
     assert resume in ours[0]
     incomplete = (run / "INCOMPLETE").read_text()
-    assert incomplete.startswith("the Ray cluster went away") and resume in incomplete
+    assert incomplete == ours[0].removeprefix("moe-rl: error: ") + "\n" and resume in incomplete
     assert ck.latest_good_checkpoint(str(run)) is not None
 
 

@@ -40,11 +40,12 @@ from moe_rl.app import console
 from moe_rl.app.drift_study import SOURCES, run_study, trained_policy
 from moe_rl.app.evaluate import evaluate_run, evaluate_tasks
 from moe_rl.app.guardian import Guardian
+from moe_rl.app.lost_cluster import EmbeddedRayWatch, cluster_lost, mark_lost
 from moe_rl.app.report import write_report
 from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
 from moe_rl.app.run_dir import RunDir
 from moe_rl.app.stop_signals import NAMES as SIGNAL_NAMES
-from moe_rl.app.stop_signals import StopSignals, exit_code
+from moe_rl.app.stop_signals import StopSignals, stop_after_iteration
 from moe_rl.app.wandb_logger import WandbLogger
 from moe_rl.core.settings import ConfigError, saved_run_config
 
@@ -210,6 +211,7 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
           flush=True)
     last_verified, failures_in_a_row = -math.inf, 0
     stopped = None   # (exit code, reason) when a signal or a lost cluster ends the run early
+    watch = EmbeddedRayWatch(guardian)
     running = algo.iteration + 1
     wandb = None
     if cfg.get("wandb") is not None:
@@ -229,10 +231,11 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
         restarts = int((run.rows[-1].get("faults/learner_restarts") or 0) if run.rows else 0)
         while algo.iteration < iterations:
             if stop.requested:   # Ctrl-C / SIGTERM: the iteration that was running has finished
-                stopped = _stop_on_signal(algo, run, stop, keep)
+                stopped = stop_after_iteration(algo, run, stop, keep,
+                                               lambda a, path: _verify(a, path, run.resolved_config))
                 break
             running = algo.iteration + 1
-            guardian.progress(f"iteration {running}")
+            guardian.progress(f"running {running}")
             try:  # one iteration: train, log, checkpoint (a learner may die in any of them)
                 result = algo.train()
                 row = metrics_row(result)
@@ -252,6 +255,7 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
                         run.amend_last(_verify(algo, path, run.resolved_config))
                     ck.prune(run.checkpoints, keep)  # after verifying: a quarantined one keeps older ones
                 run.sync()   # a storage URI trails the local run by at most this iteration
+                guardian.progress(f"finished {i}")
             except ray.exceptions.RayError as e:
                 failures_in_a_row += 1
                 if failures_in_a_row > MAX_LEARNER_RESTARTS_IN_A_ROW:
@@ -277,8 +281,9 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
         lost = cluster_lost()
         if lost is None:
             raise
-        stopped = 1, _lost_cluster(run, lost, running, e)
+        stopped = 1, mark_lost(run, lost, running, e)
     finally:
+        watch.close()
         run.close()
         if wandb is not None:
             wandb.close()
@@ -296,54 +301,6 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
     print(f"moe-rl: done; run in {run.location} (metrics.parquet, {report})", flush=True)
     run.clear_incomplete()   # a resumed run that reached its end is complete
     return 0
-
-
-def _stop_on_signal(algo, run, stop, keep):
-    """The iteration that was running when the signal came has finished: keep it in a verified
-    checkpoint (unless nothing was trained), and mark the run INCOMPLETE with the reason."""
-    i = algo.iteration
-    if i > 0:
-        path = os.path.join(run.checkpoints, ck.checkpoint_name(i))
-        fresh = not os.path.isdir(path)
-        if fresh:
-            path = ck.save_checkpoint(algo, run.checkpoints, i, run.resolved_config)
-        if fresh or not (run.rows and run.rows[-1].get("iteration") == i and run.rows[-1].get("checkpoint/verified")):
-            run.amend_last(_verify(algo, path, run.resolved_config))
-        ck.prune(run.checkpoints, keep)
-    good = ck.latest_good_checkpoint(run.path)
-    resume = (f"`moe-rl train --resume {run.location}` continues from {os.path.basename(good)}" if good
-              else "no checkpoint yet: start the run again")
-    reason = f"stopped by {stop.reason} after iteration {i}; {resume}"
-    run.mark_incomplete(reason)
-    return exit_code(stop.signum), reason
-
-
-def cluster_lost() -> Optional[str]:
-    """What went away, if the Ray cluster of this driver did; None while it is there."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None and node.is_head():   # the embedded Ray: its raylet and GCS are our children
-        dead = sorted({kind for kind, _ in node.dead_processes()} & {"raylet", "gcs_server"})
-        if dead:
-            return " and ".join(dead) + " died"
-    if not ray.is_initialized():
-        return "the connection to it was closed"
-    try:
-        me = ray.get_runtime_context().get_node_id()
-        if not any(n["NodeID"] == me and n["Alive"] for n in ray.nodes()):
-            return "this driver's node is no longer alive in it"
-    except Exception as e:   # the GCS does not answer
-        return f"its GCS does not answer ({type(e).__name__})"
-    return None
-
-
-def _lost_cluster(run, what, iteration, error) -> str:
-    good = ck.latest_good_checkpoint(run.path, log=lambda m: None)
-    resume = (f"`moe-rl train --resume {run.location}` will continue from {os.path.basename(good)}" if good
-              else "no good checkpoint was written yet: start the run again")
-    reason = (f"the Ray cluster went away during iteration {iteration} ({what}; {type(error).__name__}); "
-              f"no final checkpoint is possible; {resume}")
-    run.mark_incomplete(reason)
-    return reason
 
 
 MAX_LEARNER_RESTARTS_IN_A_ROW = 3

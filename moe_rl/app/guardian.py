@@ -3,7 +3,8 @@
 When the Ray cluster goes away (the raylet or the GCS killed, the connection to a remote head
 lost), Ray's core worker ends the trainer process from C++: no Python handler, `finally` or
 atexit runs, so the trainer cannot say what happened or mark its run directory. The guardian can.
-The trainer writes progress lines into a pipe only it holds ("iteration N", "done"); the pipe
+The trainer writes progress lines into a pipe only it holds ("running N", "finished N",
+"lost raylet died", "done"); the pipe
 closing without "done" means the trainer died. The guardian then writes RUN_DIR/INCOMPLETE and
 prints one line: what happened, and which checkpoint `moe-rl train --resume RUN_DIR` will use.
 
@@ -22,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Optional
 
 DRAIN_S = 2.0   # after the trainer ends: how long the guardian waits for the last stderr lines
 RAY_DIED = ("Raylet is terminated", "raylet died", "Failed to connect to GCS", "GCS has been dead",
@@ -118,26 +118,33 @@ def guard(run_dir: str, location: str, ctl_fd: int, err_fd: int) -> int:
     seen: list = []
     pump = threading.Thread(target=_pump, args=(err_fd, sys.stderr.buffer, seen), daemon=True)
     pump.start()
-    last: Optional[str] = None
+    where, lost = "", None
     with os.fdopen(ctl_fd, "rb") as ctl:
         for raw in ctl:
-            line = raw.decode().strip()
-            if line == "done":
+            word, _, rest = raw.decode().strip().partition(" ")
+            if word == "done":
                 pump.join(DRAIN_S)
                 return 0
-            last = line
+            if word == "running":
+                where = f" during iteration {rest}"
+            elif word == "finished":
+                where = f" after iteration {rest}"
+            elif word == "lost":
+                lost = rest
     # The trainer died without finishing. Let Ray's last words through first.
     deadline = time.monotonic() + DRAIN_S
     while pump.is_alive() and time.monotonic() < deadline:
         pump.join(0.1)
     from moe_rl.app.checkpoint_integrity import latest_good_checkpoint
-    what = ("the Ray cluster went away (" + seen[0].strip()[:120] + ")" if seen else
+    what = (f"the Ray cluster went away ({lost})" if lost else
+            "the Ray cluster went away (" + seen[0].strip()[:120] + ")" if seen else
             "the trainer process ended abruptly (killed, or its Ray cluster went away)")
-    where = f" during {last}" if last else ""
     good = latest_good_checkpoint(run_dir, log=lambda m: None)
     resume = (f"`moe-rl train --resume {location}` will continue from {os.path.basename(good)}" if good else
               "no good checkpoint was written yet: start the run again")
-    reason = f"{what}{where}; no final checkpoint was possible; {resume}"
+    if lost or seen:   # the same words as the trainer's own line (lost_cluster.mark_lost)
+        what, where = what.replace(" (", where + " (", 1), ""
+    reason = f"{what}{where}; no final checkpoint is possible; {resume}"
     try:
         _mark(run_dir, reason)
     except OSError as e:

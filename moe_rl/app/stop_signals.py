@@ -65,3 +65,26 @@ class StopSignals:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exit_code(signum))
+
+
+def stop_after_iteration(algo, run, stop: StopSignals, keep: int, verify) -> tuple:
+    """The iteration that was running when the signal came has finished: keep it in a verified
+    checkpoint (`verify(algo, path)` -> the metrics columns; unless nothing was trained yet), and
+    mark the run INCOMPLETE with the reason. Returns (exit code, reason)."""
+    from moe_rl.app import checkpoint as ck   # torch and RLlib: only where a checkpoint is written
+    i = algo.iteration
+    if i > 0:
+        path = os.path.join(run.checkpoints, ck.checkpoint_name(i))
+        fresh = not os.path.isdir(path)
+        if fresh:
+            path = ck.save_checkpoint(algo, run.checkpoints, i, run.resolved_config)
+        last = run.rows[-1] if run.rows else {}
+        if fresh or not (last.get("iteration") == i and last.get("checkpoint/verified")):
+            run.amend_last(verify(algo, path))
+        ck.prune(run.checkpoints, keep)
+    good = ck.latest_good_checkpoint(run.path)
+    resume = (f"`moe-rl train --resume {run.location}` continues from {os.path.basename(good)}" if good
+              else "no checkpoint yet: start the run again")
+    reason = f"stopped by {stop.reason} after iteration {i}; {resume}"
+    run.mark_incomplete(reason)
+    return exit_code(stop.signum), reason
