@@ -24,6 +24,9 @@ import sys
 import threading
 import time
 
+from moe_rl.app.checkpoint_integrity import latest_good_checkpoint
+from moe_rl.app.console import is_raw_noise
+
 DRAIN_S = 2.0   # after the trainer ends: how long the guardian waits for the last stderr lines
 RAY_DIED = ("Raylet is terminated", "raylet died", "Failed to connect to GCS", "GCS has been dead",
             "Failed to get the address of the GCS", "RpcError", "connection to the Ray cluster")
@@ -73,7 +76,6 @@ class Guardian:
 
 
 def _pump(fd: int, out, seen: list) -> None:
-    from moe_rl.app.console import is_raw_noise
     buf = b""
     while True:
         try:
@@ -135,7 +137,6 @@ def guard(run_dir: str, location: str, ctl_fd: int, err_fd: int) -> int:
     deadline = time.monotonic() + DRAIN_S
     while pump.is_alive() and time.monotonic() < deadline:
         pump.join(0.1)
-    from moe_rl.app.checkpoint_integrity import latest_good_checkpoint
     what = (f"the Ray cluster went away ({lost})" if lost else
             "the Ray cluster went away (" + seen[0].strip()[:120] + ")" if seen else
             "the trainer process ended abruptly (killed, or its Ray cluster went away)")

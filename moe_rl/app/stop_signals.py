@@ -19,6 +19,8 @@ import sys
 import threading
 from typing import Callable, Optional
 
+from moe_rl.app import checkpoint as ck
+
 NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
 
 
@@ -71,7 +73,6 @@ def stop_after_iteration(algo, run, stop: StopSignals, keep: int, verify) -> tup
     """The iteration that was running when the signal came has finished: keep it in a verified
     checkpoint (`verify(algo, path)` -> the metrics columns; unless nothing was trained yet), and
     mark the run INCOMPLETE with the reason. Returns (exit code, reason)."""
-    from moe_rl.app import checkpoint as ck   # torch and RLlib: only where a checkpoint is written
     i = algo.iteration
     if i > 0:
         path = os.path.join(run.checkpoints, ck.checkpoint_name(i))
