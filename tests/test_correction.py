@@ -141,8 +141,9 @@ def test_a_kept_interval_without_the_ratio_one_is_refused():
     """rs_threshold < 1 with the default lower bound 1/U > U would reject every step of a run."""
     for bad, field in [({"rs_level": "token", "rs_threshold": 0.5}, "rs_threshold"),
                        ({"rs_level": "token", "rs_threshold": 0.9, "rs_threshold_lower": 0.5}, "rs_threshold"),
-                       ({"rs_level": "geometric", "rs_threshold": 2.0, "rs_threshold_lower": 1.5}, "rs_threshold_lower")]:
-        with pytest.raises(ConfigError, match=f"^consistency.correction.{field}: must be .*contain the ratio 1"):
+                       ({"rs_level": "geometric", "rs_threshold": 2.0, "rs_threshold_lower": 1.5}, "rs_threshold_lower"),
+                       ({"veto_threshold": 1.5}, "veto_threshold")]:
+        with pytest.raises(ConfigError, match=f"^consistency.correction.{field}: must be .*(ratio 1|agree)"):
             resolve_correction(bad)
     _, keep, _ = correct(torch.zeros(3), torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long),
                          settings(rs_level="token", rs_threshold=1.0))

@@ -100,6 +100,8 @@ def resolve_correction(d: Optional[Dict[str, Any]]) -> Dict[str, Any]:
              "must contain the ratio 1)", s["rs_threshold_lower"])
     if s["veto_threshold"] is not None:
         positive("veto_threshold")
+        need(s["veto_threshold"] <= 1, f + "veto_threshold", "a number in (0, 1] (a token ratio below it vetoes "
+             "its sequence: above 1 it would veto steps on which rollout and trainer agree)", s["veto_threshold"])
     need(isinstance(s["routing_rs_share"], (int, float)) and 0 <= s["routing_rs_share"] < 1,
          f + "routing_rs_share", "a number in [0, 1)", s["routing_rs_share"])
     need(isinstance(s["is_batch_normalize"], bool), f + "is_batch_normalize", "true or false", s["is_batch_normalize"])
