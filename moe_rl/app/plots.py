@@ -154,12 +154,13 @@ def xy_plot_svg(series: dict[str, Sequence[tuple]], title: str, xlabel: str = "i
 
 
 def heatmap_svg(rows: dict[str, Sequence], xs: Sequence, title: str, colour: Callable[[str, object], str],
-                xlabel: str = "iteration", legend: Sequence[tuple] = (), width: int = 560) -> str:
+                xlabel: str = "iteration", legend: Sequence[tuple] = (), width: int = 560,
+                label_width: int = 70) -> str:
     """rows: label -> one value per x (None: not recorded, drawn light grey); colour(label, value) picks
     each cell's fill. Every cell carries a hover <title> with its exact value."""
     if not rows or not xs:
         return _no_data(title, width)
-    L, R, T, B, rh = 70, 12, 36, 30, 14
+    L, R, T, B, rh = label_width, 12, 36, 30, 14
     height = T + B + rh * len(rows)
     cw = (width - L - R) / len(xs)
     out = _frame(width, height, title, xlabel, "", legend)

@@ -24,6 +24,7 @@ import yaml
 
 from moe_rl.algo.results import atomic_write_bytes
 from moe_rl.app.plots import heatmap_svg, interval_plot_svg, xy_plot_svg
+from moe_rl.app.report_tasks import task_figures, task_names
 from moe_rl.core.gate import DECISIONS, mismatch_limits
 from moe_rl.core.metrics import DANGER_HIGH, DANGER_LOW, GRADES, WARN_HIGH, WARN_LOW
 
@@ -70,6 +71,8 @@ def render_report(run_dir: str) -> str:
             f'<p class="sub">{esc(os.path.abspath(run_dir))} · generated {esc(time.strftime("%Y-%m-%d %H:%M:%S"))}</p>',
             _header(cfg, m), *(f'<p class="note">{esc(s)}</p>' for s in notes),
             _section("1. Return and losses", _returns_losses(m)),
+            *([_section("1b. Tasks: return, success and routing per task", [_figs(task_figures(m))])]
+              if task_names(m) else []),
             *_per_module(cfg, m, ledger, study, limits, n),
             _section("6. Parameter divergence and sync decisions", _sync(m, ledger)),
             _section("7. Alerts", _alerts(alerts))]
