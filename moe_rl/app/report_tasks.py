@@ -41,7 +41,8 @@ def task_figures(rows) -> list:
         for k, v in r.items():
             g = pattern.match(k)
             if g and isinstance(v, (int, float)) and math.isfinite(v):
-                cells.setdefault(int(g.group(2)), {}).setdefault(g.group(1), {}).setdefault(int(g.group(3)), []).append(v)
+                task, layer, expert = g.group(1), int(g.group(2)), int(g.group(3))
+                cells.setdefault(layer, {}).setdefault(task, {}).setdefault(expert, []).append(v)
     for layer, per_task in sorted(cells.items()):
         experts = sorted({e for shares in per_task.values() for e in shares})
         grid = {t: [_mean(per_task.get(t, {}).get(e)) for e in experts] for t in names}
