@@ -270,12 +270,15 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
             if done:
                 break
     except ck.CheckpointWriteError as e:
+        run.mark_incomplete(str(e))
         return _fail(str(e))
     except GateStop as e:
         # The learners hold the last good weights: keep them as the checkpoint to resume from.
         ck.save_checkpoint(algo, run.checkpoints, algo.iteration, run.resolved_config)
+        run.mark_incomplete(str(e).replace("RUN_DIR", run.location))
         return _fail(str(e).replace("RUN_DIR", run.location), 1)
     except ck.LearnerFailure as e:
+        run.mark_incomplete(str(e))
         return _fail(str(e), 1)
     except Exception as e:
         lost = cluster_lost()
