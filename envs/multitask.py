@@ -28,7 +28,8 @@ class MultiTaskEnv(gym.Env):
 
     Observation: float32 vector of length obs_dim + num_tasks in [-1, 1]: the features x
     (uniform in [-1, 1)) followed by the one-hot task id; `task_slice` = (obs_dim, num_tasks)
-    locates that block and info["task_id"] repeats it. The optimal return is episode_length;
+    locates that block and info["task_id"] repeats it (info["task"] names it, "task{k}", for the
+    per-task figures of moe_rl.rllib.task_metrics). The optimal return is episode_length;
     a uniform random policy expects episode_length / n_actions.
 
     `seed` fixes the task matrices only, so every copy of the env (one per rollout worker, say)
@@ -83,7 +84,7 @@ class MultiTaskEnv(gym.Env):
         self._best = np.argmax(features[:length] @ self.task_weights[task].T, axis=1).tolist()
         self._task = task
         self._t = 0
-        return self._obs[0], {"task_id": task}
+        return self._obs[0], {"task_id": task, "task": f"task{task}"}
 
     def step(self, action):
         t = self._t
@@ -93,4 +94,5 @@ class MultiTaskEnv(gym.Env):
             raise ValueError(f"action: must be an int in [0, {self.n_actions - 1}], got {action!r}")
         reward = 1.0 if action == self._best[t] else 0.0
         self._t = t = t + 1
-        return self._obs[t], reward, False, t == self.episode_length, {"task_id": self._task}
+        return self._obs[t], reward, False, t == self.episode_length, {"task_id": self._task,
+                                                                        "task": f"task{self._task}"}

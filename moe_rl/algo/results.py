@@ -91,7 +91,8 @@ def metrics_row(result: Dict[str, Any]) -> Dict[str, Any]:
 def task_columns(runners: Dict[str, Any]) -> Dict[str, Any]:
     """Per-task figures (moe_rl.rllib.task_metrics): return / success / length as logged, routing
     counts as each task's share of its layer's tokens, and the headline pair `task_return_mean`
-    (the average over tasks, MOORE's "average return") and `task_return_min` (the worst task)."""
+    (the average over tasks, MOORE's "average return") and `task_return_min` (the worst task).
+    RLlib reports a task's figures over the episodes that ended this iteration (NaN: none did)."""
     row: Dict[str, Any] = {}
     totals: Dict[str, float] = {}
     for k, v in runners.items():
@@ -105,8 +106,10 @@ def task_columns(runners: Dict[str, Any]) -> Dict[str, Any]:
         if "/experts/" in k:
             total = totals[k.rsplit("/", 1)[0]]
             row[k] = row[k] / total if total > 0 else math.nan
-    returns = [v for k, v in row.items() if k.endswith("/return") and not math.isnan(v)]
-    if returns:
+    # Over every task or none: a task with no episode ended this iteration (NaN) would otherwise
+    # leave the average over the others, which is not the same figure.
+    returns = [v for k, v in row.items() if k.endswith("/return")]
+    if returns and not any(math.isnan(v) for v in returns):
         row["task_return_mean"], row["task_return_min"] = sum(returns) / len(returns), min(returns)
     return row
 

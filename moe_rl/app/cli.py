@@ -312,7 +312,7 @@ MAX_LEARNER_RESTARTS_IN_A_ROW = 3
 def progress_line(row) -> str:
     """One iteration on the console; a multi-task env adds the average over tasks and the worst task."""
     tasks = ""
-    if "task_return_mean" in row:
+    if row.get("task_return_mean") is not None:
         worst = min((k for k in row if k.startswith("task/") and k.endswith("/return") and row[k] == row[k]),
                     key=row.get)
         tasks = f"  tasks avg {row['task_return_mean']:.2f} worst {worst.split('/')[1]} {row[worst]:.2f}"
