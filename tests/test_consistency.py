@@ -326,3 +326,24 @@ def test_drift_study_measures_a_trained_checkpoint_at_a_longer_length(ray_local,
         yaml.safe_dump({**run_cfg, "moe": {**run_cfg["moe"], "positions": "learned", "max_seq_len": 16}}))
     with pytest.raises(ConfigError, match="^--lengths: the run's policy has learned positions"):
         trained_policy(str(tmp_path / "learned"), [24])
+
+
+def test_a_run_whose_correction_rejects_everything_says_so_and_moves_no_weight(ray_local):
+    """Issue 33: a bf16 copy and geometric rejection with the interval [1, 1]: no sequence is kept.
+    Every update is skipped (the weights stay those of the first sync), counted, and the gate
+    reports cause all_rejected with its streak."""
+    algo = config(ep_size=1, inference_dtype="bf16", routing_replay=False).consistency(
+        correction={"rs_level": "geometric", "rs_threshold": 1.0}).build_algo()
+    try:
+        before = algo.learner_group.module_state()["default_policy"]
+        results = [algo.train() for _ in range(2)]
+        after = algo.learner_group.module_state()["default_policy"]
+        assert [k for k in before if not np.array_equal(before[k], after[k])] == []
+        learner = results[-1]["learners"]["default_policy"]
+        assert learner["correction/rejected_fraction"] == 1.0
+        assert learner["correction/skipped_updates"] == 2.0 and learner["correction/skipped_updates_in_a_row"] == 2.0
+        rows = algo.sync_gate.rows[-2:]
+        assert all("all_rejected" in r["cause"].split(";") and "skip" in r["action"].split(";") for r in rows)
+        assert "2 updates in a row" in rows[-1]["reason"] and rows[-1]["correction_skipped_steps"] > 0
+    finally:
+        algo.stop()
