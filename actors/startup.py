@@ -76,36 +76,42 @@ class StartupReport:
     def __init__(self, job_id: str, who: str, poll_s: float = 1.0):
         self.key = f"{PREFIX}{job_id}/{who}".encode()
         self.poll_s, self._done = poll_s, threading.Event()
-        self.doing, self.step_t0 = "", time.monotonic()
+        self.doing, self.step_t0, self.step_since = "", time.monotonic(), time.time()
 
     def step(self, doing: str) -> None:
-        self.doing, self.step_t0 = doing, time.monotonic()
-        self._put(doing)
+        self.doing, self.step_t0, self.step_since = doing, time.monotonic(), time.time()
+        self._put(doing, self.step_since)
 
-    def _put(self, doing: str) -> None:
+    def _put(self, doing: str, since: float) -> None:
         try:
-            _internal_kv_put(self.key, json.dumps({"doing": doing, "since": time.time()}), overwrite=True)
+            _internal_kv_put(self.key, json.dumps({"doing": doing, "since": since}), overwrite=True)
         except Exception:   # a progress note is never worth failing a learner's start
             pass
 
     def _watch(self) -> None:
         before = set(extension_builds())   # locks older than this start are someone else's (or stale)
-        shown = None
+        shown, first_seen = None, {}
         while not self._done.wait(self.poll_s):
-            building = {k: v for k, v in extension_builds().items() if k not in before}
-            waiting = {k: v for k, v in extension_builds().items() if k in before}
-            note = None
+            builds = extension_builds()
+            building = sorted(k for k in builds if k not in before)
+            waiting = {k: v for k, v in builds.items() if k in before}
+            note, since = None, self.step_since
             if building:
-                name = sorted(building)[0]
+                name = building[0]
+                since = first_seen.setdefault(name, time.time())
                 note = (f"compiling the C++ extension {name} (torch JIT build, once per install, "
                         f"in {extensions_root()})")
             elif waiting and self.doing and time.monotonic() - self.step_t0 > STALE_LOCK_NOTE_S:
                 name, age = sorted(waiting.items())[0]
-                note = (f"{self.doing}; a build lock of {name} exists since {age:.0f}s "
-                        f"({os.path.join(extensions_root(), name, 'lock')}: if no compiler runs, it is stale)")
+                note = (f"{self.doing}; an older build lock of {name} exists since {age:.0f}s "
+                        f"({os.path.join(extensions_root(), name, 'lock')}: a build of {name} waits while "
+                        "it exists; if no compiler runs, it is stale: delete it)")
             if note and note != shown:
                 shown = note
-                self._put(note)
+                self._put(note, since)
+            elif not note and shown and self.doing:   # the build ended: back to the step itself
+                shown = None
+                self._put(self.doing, self.step_since)
 
     def __enter__(self) -> "StartupReport":
         threading.Thread(target=self._watch, daemon=True, name="moe-rl-startup-report").start()

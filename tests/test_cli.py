@@ -1,7 +1,9 @@
 """`moe-rl` main job end to end: a real embedded Ray in a subprocess, a real run directory."""
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -124,12 +126,45 @@ def test_unwritable_output_is_a_clear_error(tmp_path):
 
 def test_train_with_deepspeed_expert_parallel_learners(tmp_path):
     """`moe-rl train --num-learners 2 --ep-size 2`: DeepSpeed learner group from the CLI; the
-    run's checkpoint evaluates from the learners' shards."""
-    out = tmp_path / "ep2"
-    p = moe_rl("train", "--iterations", "2", "--output", str(out), "--num-learners", "2", "--ep-size", "2",
-               "--set", "training.train_batch_size_per_learner=300", "--set", "training.minibatch_size=100",
-               "--set", "moe.num_experts=4", "--set", "stop_return=null")
-    assert p.returncode == 0, p.stderr[-3000:]
+    run's checkpoint evaluates from the learners' shards. As on a fresh install of a busy machine
+    (issue 35): an empty torch extension cache except for the lock a killed build of DeepSpeed's shm
+    comm op leaves (torch waits on it forever), and both cores busy. The learners compile nothing."""
+    out, extensions = tmp_path / "ep2", tmp_path / "torch_extensions"
+    (extensions / "deepspeed_shm_comm").mkdir(parents=True)
+    (extensions / "deepspeed_shm_comm" / "lock").touch()
+    log_path, burners = tmp_path / "ep2.log", []
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "moe_rl.app.cli", "train", "--iterations", "2", "--output", str(out),
+             "--num-learners", "2", "--ep-size", "2", "--set", "training.train_batch_size_per_learner=300",
+             "--set", "training.minibatch_size=100", "--set", "moe.num_experts=4", "--set", "stop_return=null"],
+            stdout=log, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TORCH_EXTENSIONS_DIR": str(extensions)})
+        try:
+            # Every core busy from the moment the learners start (Ray's own start is not the subject).
+            while "building the algorithm" not in log_path.read_text() and p.poll() is None:
+                time.sleep(0.5)
+            burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                       for _ in range(os.cpu_count() or 2)]
+            p.wait(900)
+        finally:
+            for b in burners:
+                b.kill()
+                b.wait()
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    output = log_path.read_text()
+    assert p.returncode == 0, output[-4000:]
+    assert sorted(str(f.relative_to(extensions)) for f in extensions.rglob("*")) == [
+        "deepspeed_shm_comm", "deepspeed_shm_comm/lock"]
+    start = re.search(r"building the algorithm \(1 env runners, 2 learners\): done in ([\d.]+)s", output)
+    assert start, output[-2000:]
+    note = f"expert-parallel start (2 learners, empty extension cache, {len(burners)} CPU burners): {start[1]} s"
+    print(note)
+    if os.environ.get("MOE_RL_CI_NOTES"):   # .ci/run prints these at the end
+        with open(os.environ["MOE_RL_CI_NOTES"], "a") as f:
+            f.write(f"tests/test_cli.py: {note}\n")
     table = pq.read_table(out / "metrics.parquet")
     assert table.num_rows == 2
     assert "learner/expert_param_bytes/rank1" in table.column_names

@@ -2,10 +2,14 @@
 cluster.wait_timeout_s ends), actors placed and still starting, and a learner's own step (a
 compile says so). A real in-process Ray with 2 CPUs; actors stand in for the run's."""
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import ray
+
+from helpers import free_port
 
 from actors.startup import StartupReport, extension_builds, skip_unused_shm_comm_op
 from moe_rl.algo.resources import Demand, ResourceWait, WaitWatch, startup_state
@@ -43,6 +47,7 @@ class Learnerish:
         return 1
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMAND = Demand([("actor", 1, {"CPU": 1.0})])
 
 
@@ -53,7 +58,7 @@ def test_a_slow_start_is_not_a_missing_resource(ray_2cpus):
         actor = SlowToStart.remote(12)
         assert ray.get(actor.ping.remote()) == 1
     assert watch.unplaced_s < 3, lines
-    assert any("placed, still starting: SlowToStart (in its constructor)" in line for line in lines), lines
+    assert any("placed, still starting: SlowToStart (its process and constructor)" in line for line in lines), lines
     assert not any("waiting" in line and "for resources" in line for line in lines), lines
     ray.kill(actor)
 
@@ -99,3 +104,28 @@ def test_extension_builds_reads_torchs_build_locks(tmp_path, monkeypatch):
     (tmp_path / "deepspeed_shm_comm").mkdir()
     (tmp_path / "deepspeed_shm_comm" / "lock").touch()
     assert list(extension_builds()) == ["deepspeed_shm_comm"]
+
+
+JOIN = """
+import os, sys
+from actors.startup import skip_unused_shm_comm_op
+skip_unused_shm_comm_op()
+import deepspeed
+deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False, rank=0, world_size=1)
+print("JOINED", flush=True)
+"""
+
+
+def test_a_process_group_starts_beside_a_killed_builds_lock(tmp_path):
+    """What a learner does first, in a fresh process: with the shm comm op skipped, DeepSpeed's
+    process group starts at once though a killed build left its lock (torch's builder would wait on
+    it forever: run with MOE_RL_DEEPSPEED_SHM_COMM=build to see it hang), and nothing is compiled."""
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").touch()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env.pop("MOE_RL_DEEPSPEED_SHM_COMM", None)
+    p = subprocess.run([sys.executable, "-c", JOIN], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "JOINED" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert sorted(str(f.relative_to(tmp_path)) for f in tmp_path.rglob("*")) == [
+        "deepspeed_shm_comm", "deepspeed_shm_comm/lock"]

@@ -171,7 +171,7 @@ def startup_state(job_id: str) -> Startup:
             continue
         name = info["ActorClassName"]
         if info["Address"]["Port"]:
-            state.starting.append(f"{name} (in its constructor)")
+            state.starting.append(f"{name} (its process and constructor)")
         else:
             waiting[name] = waiting.get(name, 0) + 1
     state.unplaced += [f"{n} x {name}" for name, n in sorted(waiting.items())]
