@@ -8,7 +8,7 @@ internal KV, under its job's prefix; the driver's wait watch (moe_rl.algo.resour
 
 DeepSpeed's CPU shared-memory comm op (`deepspeed_shm_comm`) is switched off here: DeepSpeed's
 TorchBackend JIT-compiles it whenever a CPU process group starts, yet it serves only
-`inference_all_reduce` (DeepSpeed's tensor-parallel inference), which training never calls.
+`inference_all_reduce` (DeepSpeed's tensor-parallel layers), which moe-rl never calls.
 """
 from __future__ import annotations
 
