@@ -41,9 +41,12 @@ def config_path(suite: str) -> str:
 
 def build_config(arm: str, suite: str, seed: int, tasks=None):
     """The algorithm config of one arm (MoEPPOConfig or stock PPOConfig), from the suite's YAML."""
+    import gymnasium as gym
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+    from ray.tune.registry import register_env
 
+    from envs.minigrid_mt import MultiTaskMiniGrid
     from moe_rl.app.run_config import apply_overrides, load_run_config, validate_run_config
     from moe_rl.rllib.dense_peer import DensePeerModule
     from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
@@ -54,12 +57,14 @@ def build_config(arm: str, suite: str, seed: int, tasks=None):
         cfg["moe"]["router"] = "topk"
     if arm in ("moe_task", "moe_topk"):
         return cfg, validate_run_config(cfg)
-    env_config = {"tasks": list(tasks)} if tasks else {}
-    env_id = "moe_rl/MiniGrid-MT-v0" if tasks else cfg["env"]
+    # Stock RLlib's way to name an env it does not know: a registered creator (the moe_rl/ ids exist
+    # only in processes that import envs, which a stock PPO env runner never does).
+    register_env("minigrid_mt", lambda env_config: MultiTaskMiniGrid(**env_config))
+    env_config = {"tasks": list(tasks) if tasks else gym.spec(cfg["env"]).kwargs["tasks"]}
     training = dict(cfg["training"])
     if tasks:   # one task: MOORE's single-task runs, 2 000 steps and minibatch 256 per update
         training.update(train_batch_size_per_learner=2000, minibatch_size=256)
-    config = (PPOConfig().environment(env_id, env_config=env_config)
+    config = (PPOConfig().environment("minigrid_mt", env_config=env_config)
               .env_runners(**cfg["env_runners"]).learners(**cfg["learners"]).training(**training)
               .rl_module(rl_module_spec=RLModuleSpec(module_class=DensePeerModule, model_config={"moe": cfg["moe"]}))
               .callbacks(TaskEpisodeMetrics).debugging(seed=seed))

@@ -152,7 +152,10 @@ def test_a_two_iteration_mt3_run_writes_per_task_figures_and_evaluates_per_task(
     assert p.returncode == 0, p.stderr[-3000:]
     table = pq.read_table(out / "metrics.parquet").to_pylist()
     tasks = ("LavaGapS7", "RedBlueDoors-6x6", "MemoryS11")
-    ended = lambda r, t: r.get(f"task/{t}/return") == r.get(f"task/{t}/return")   # not NaN: an episode ended
+    def ended(row, task):   # a figure, not NaN: an episode of the task ended in that iteration
+        v = row.get(f"task/{task}/return")
+        return v is not None and v == v
+
     for task in tasks:   # figures are over the episodes that ended in an iteration: look in both
         row = next(r for r in table if ended(r, task))
         assert 0 <= row[f"task/{task}/success"] <= 1 and row[f"task/{task}/length"] >= 1
