@@ -5,7 +5,9 @@ verified, and --resume restores it exactly. As a user's subprocess (`moe-rl trai
 of its own, signalled as a terminal signals its foreground process group, with the embedded
 Ray's raylet and GCS in that group): the exit code, the one line, INCOMPLETE, a second Ctrl-C,
 a killed raylet, and a 2-iteration quickstart that prints nothing but moe-rl's own lines."""
+import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -15,6 +17,7 @@ import time
 
 import psutil
 import pytest
+from helpers import local_head
 from test_reliability import PLAIN, Hooks, assert_bit_identical, rows
 
 from moe_rl.app import checkpoint as ck
@@ -165,6 +168,41 @@ def test_a_killed_raylet_gives_one_line_incomplete_and_a_nonzero_exit(tmp_path):
     incomplete = (run / "INCOMPLETE").read_text()
     assert incomplete == ours[0].removeprefix("moe-rl: error: ") + "\n" and resume in incomplete
     assert ck.latest_good_checkpoint(str(run)) is not None
+
+
+@pytest.mark.slow
+def test_ray_job_stop_is_a_sigterm_and_the_run_keeps_its_iteration(tmp_path):
+    """Ray's job supervisor sends SIGTERM to the entrypoint and its children, then SIGKILL after
+    RAY_JOB_STOP_WAIT_TIME_S (3 s by default; the job's runtime env sets it, as the docs say)."""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    with local_head("--num-cpus", "4") as (ray_cli, env, address):
+        out = tmp_path / "run"
+        runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}})
+        for _ in range(24):   # the head's job agent may still be starting on a loaded machine
+            p = subprocess.run(
+                [ray_cli, "job", "submit", "--no-wait", "--address", address, "--working-dir", root,
+                 "--runtime-env-json", runtime_env, "--", "moe-rl", "train", "--iterations", "100",
+                 "--output", str(out), *TINY_RUN], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+            if "No available agent to submit job" not in p.stdout + p.stderr:
+                break
+            time.sleep(5)
+        assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+        job = re.search(r"raysubmit_\w+", p.stdout + p.stderr)[0]
+        deadline = time.monotonic() + 600
+        while not ((out / "metrics.parquet").exists() and len(rows(out)) >= 2):
+            assert time.monotonic() < deadline, "the job trained no 2 iterations within 600 s"
+            time.sleep(1)
+        subprocess.run([ray_cli, "job", "stop", "--address", address, job], env=env, capture_output=True,
+                       timeout=600, check=True)   # waits until the job has stopped
+        logs = subprocess.run([ray_cli, "job", "logs", "--address", address, job], env=env, capture_output=True,
+                              text=True, timeout=120).stdout
+    incomplete = (out / "INCOMPLETE").read_text()
+    match = re.fullmatch(rf"stopped by SIGTERM after iteration (\d+); `moe-rl train --resume {re.escape(str(out))}` "
+                         r"continues from iter_0*(\d+)\n", incomplete)
+    assert match and match[1] == match[2], incomplete
+    table = rows(out)
+    assert table[-1]["iteration"] == int(match[1]) and table[-1]["checkpoint/verified"] == 1
+    assert f"moe-rl: error: {incomplete.strip()}" in logs, logs[-3000:]
 
 
 # --- the console -------------------------------------------------------------------------------------
