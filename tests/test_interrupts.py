@@ -150,6 +150,20 @@ def test_ctrl_c_in_a_terminal_stops_cleanly_and_twice_stops_at_once(tmp_path):
     assert (again / "INCOMPLETE").read_text().startswith("stopped at once by a second Ctrl-C (SIGINT)")
 
 
+def test_kill_sends_sigterm_and_the_run_stops_as_on_ctrl_c(tmp_path):
+    """ray.init() installs its own SIGTERM handler (the embedded node's: kill Ray, exit 1); the
+    run's own must win."""
+    run = tmp_path / "run"
+    user = UserRun("train", "--output", str(run), "--iterations", "8", *TINY_RUN)
+    user.wait_for(user.out, "iter    2")
+    os.kill(user.proc.pid, signal.SIGTERM)
+    assert user.finish() == 143, user.err
+    match = re.fullmatch(rf"moe-rl: error: stopped by SIGTERM after iteration (\d); `moe-rl train --resume "
+                         rf"{re.escape(str(run))}` continues from iter_00000(\d)", user.err[-1])
+    assert match and match[1] == match[2], user.err
+    assert rows(run)[-1]["iteration"] == int(match[1]) and rows(run)[-1]["checkpoint/verified"] == 1
+
+
 def test_a_killed_raylet_gives_one_line_incomplete_and_a_nonzero_exit(tmp_path):
     run = tmp_path / "run"
     user = UserRun("train", "--output", str(run), "--iterations", "8", *TINY_RUN)

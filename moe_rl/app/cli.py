@@ -195,6 +195,7 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
 def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
     demand = run_demand(config)
     started_ray = ensure_ray(math.ceil(demand.total().get("CPU", 0)) + 1)   # + the driver's own work
+    stop.take_back()   # from ray.init(), whose own SIGTERM handler would exit mid-iteration
     algo = None
     try:
         algo = _build_within_the_cluster(config, cfg, demand)

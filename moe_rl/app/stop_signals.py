@@ -51,6 +51,12 @@ class StopSignals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def take_back(self) -> None:
+        """ray.init() installs its own SIGTERM handler in the main thread (sys.exit; an embedded
+        Ray's node: kill its processes, then exit): put ours back on top of it."""
+        for sig in self._previous:
+            signal.signal(sig, self._handle)
+
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
