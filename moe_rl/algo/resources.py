@@ -104,12 +104,17 @@ def shortfall(need: Bundle, have: Bundle) -> Bundle:
     return {k: v - have.get(k, 0.0) for k, v in need.items() if v > have.get(k, 0.0) + 1e-9}
 
 
-def describe(demand: Demand, view) -> str:
-    total, free, scaler = view
+def needs(demand: Demand) -> str:
+    """`this run needs CPU 1: 1 x env runner (CPU 1) (the driver ... ask for none)`."""
     asking = "; ".join(f"{n} x {what} ({fmt_bundle(b)})" for what, n, b in demand.parts if b)
     free_riders = " and the ".join(what for what, _, b in demand.parts if not b)
-    return (f"moe-rl: this run needs {fmt_bundle(demand.total())}: {asking or 'nothing'}"
-            + (f" (the {free_riders} ask for none)" if free_riders else "")
+    return (f"this run needs {fmt_bundle(demand.total())}: {asking or 'nothing'}"
+            + (f" (the {free_riders} ask for none)" if free_riders else ""))
+
+
+def describe(demand: Demand, view) -> str:
+    total, free, scaler = view
+    return (f"moe-rl: {needs(demand)}"
             + f". The cluster has {fmt_bundle(total)} in total, {fmt_bundle(free)} free now"
             + (", and an autoscaler that can add nodes." if scaler else " (no autoscaler: a fixed cluster)."))
 

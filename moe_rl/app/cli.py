@@ -29,6 +29,7 @@ from moe_rl.algo.resources import (
     cluster_view,
     describe,
     fmt_bundle,
+    needs,
     run_demand,
     shortfall,
     suggestion,
@@ -69,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR",
                    help="continue RUN_DIR from its newest good checkpoint with its config.yaml (flags and "
                         "--set may extend it, e.g. --iterations, but not change the model)")
+    t.add_argument("--dry-run", action="store_true",
+                   help="check the config and say what the run needs and where it would write; start nothing")
     d = sub.add_parser("drift-study", help="K3 between rollout copy and trainer by sequence length")
     d.add_argument("--source", default="bf16", help=f"mismatch source: {', '.join(SOURCES)}")
     d.add_argument("--lengths", default="64,128,256,512,1024", help="comma-separated sequence lengths (8..1024)")
@@ -120,6 +123,9 @@ def cmd_train(args) -> int:
         return _fail(str(e))
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg["env"]) + time.strftime("-%Y%m%d-%H%M%S")
     out = args.resume or args.output or os.path.join(cfg.get("output", "runs"), name)
+    if args.dry_run:
+        print(f"moe-rl: dry run: the config is valid; {needs(run_demand(config))}; the run would write {out}")
+        return 0
     try:
         run = RunDir(out, resolved(cfg, config))
     except OSError as e:
