@@ -255,3 +255,20 @@ def test_an_update_with_every_step_rejected_is_skipped_counted_and_moves_no_weig
     last = learner.skipped_steps.last["default_policy"]
     assert last["steps"] == last["skipped"] >= 4 and last["in_a_row"] == 1
     runner.stop()
+
+
+def test_routing_rejection_leaves_out_the_layers_of_a_sampling_router():
+    """A REINFORCE layer's rollout choice is a draw (replayed by the learner); comparing it with the
+    greedy choice would reject most steps. Only the deterministic layers count."""
+    from moe_rl.core.routing import RoutingRecord
+    from moe_rl.rllib.correction import routing_flags
+    greedy = torch.tensor([[0, 1], [0, 1]])
+    drawn = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [0, 1]]])     # [N, L, k]: layer 1 drew other experts
+    def record(sampling):
+        return RoutingRecord(top_k_indices=greedy, gate_weights=torch.ones(2, 2), router_logits=torch.zeros(2, 4),
+                             selection_logp=torch.zeros(2) if sampling else None,
+                             baseline=torch.zeros(2) if sampling else None)
+    s = settings(routing_rs="any")
+    assert routing_flags(s, {"moe_topk": drawn}, [record(False), record(True)]).tolist() == [False, False]
+    assert routing_flags(s, {"moe_topk": drawn}, [record(False), record(False)]).tolist() == [True, False]
+    assert routing_flags(s, {"moe_topk": drawn}, [record(True), record(True)]) is None
