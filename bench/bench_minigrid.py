@@ -85,7 +85,7 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
     cfg, config = build_config(arm, suite, seed, [task] if task else None)
     num_tasks = 1 if task else len(gym.make(cfg["env"]).unwrapped.task_names)
     budget = budget_per_task * num_tasks
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)   # never another head
     try:
         algo = config.build_algo()
         curve = []
