@@ -3,6 +3,7 @@ head and a `moe-rl train` in its own embedded Ray run beside them, survive them,
 finishes. `ray stop` (what the head tests once used) would have killed both."""
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -45,7 +46,8 @@ def _alive(procs):
 def test_head_tests_leave_an_unrelated_head_and_a_training_run_alive(tmp_path):
     # The bystanders are not the suite's: no suite mark, no RAY_ADDRESS.
     user_env = {k: v for k, v in os.environ.items() if k not in (ray_processes.SUITE_MARKER, "RAY_ADDRESS")}
-    user_env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=os.pathsep.join([TESTS, ROOT]))
+    user_env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=os.pathsep.join([TESTS, ROOT]),
+                    RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     bindir = os.path.dirname(sys.executable)
     head_dir = tempfile.mkdtemp(prefix="moerl-user-", dir="/tmp")
     port = free_port()
@@ -81,7 +83,8 @@ def test_head_tests_leave_an_unrelated_head_and_a_training_run_alive(tmp_path):
         # This test judges what the head tests do to others; their own checks fail in their own run.
         counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed)", nested.stdout.splitlines()[-1])}
         assert sum(counts.values()) == len(HEAD_TESTS), nested.stdout[-3000:]
-        print("the head tests:", nested.stdout.splitlines()[-1])
+        print("the head tests:", *[line for line in nested.stdout.splitlines() if line.startswith("FAILED")],
+              nested.stdout.splitlines()[-1], sep="\n  ")
         assert run.poll() is None and _alive(run_ray), "the training run died beside the head tests"
         assert _alive(head_ray), "the unrelated head died beside the head tests"
         probe = subprocess.run([sys.executable, "-c", "import ray; ray.init(log_to_driver=False); "
