@@ -1,8 +1,9 @@
 """Health-grade benchmark: false alarms on healthy runs, detection of real and injected faults.
 
-    .venv/bin/python bench/bench_health.py [--groups healthy,off,dead] [--iterations 30] [--seeds 5]
-        [--off-seeds 10] [--json OUT]          run, record every iteration's row, print the table
-    .venv/bin/python bench/bench_health.py --regrade OUT.json
+    .venv/bin/python bench/bench_health.py [--groups healthy,off,dead] [--configs cartpole,stable,...]
+        [--iterations 30] [--seeds 5] [--first-seed 0] [--off-seeds 10] [--off-first-seed 0]
+        [--off-iterations 20] [--json OUT]     run, record every iteration's row, print the table
+    .venv/bin/python bench/bench_health.py --regrade OUT.json [OUT2.json ...]
                                                the table again from recorded rows (no training)
 
 Groups:
@@ -73,12 +74,12 @@ def _train(algo, iterations, stop_return=None, after=None):
 
 
 def healthy_runs(args):
-    for name in HEALTHY:
+    for name in args.configs.split(","):
         path = os.path.join(ROOT, "configs", f"{name}.yaml")
         if not os.path.exists(path):
             print(f"{name}: no {path}, skipped", flush=True)
             continue
-        seeds = range(args.seeds) if name == "cartpole" else [0]
+        seeds = range(args.first_seed, args.first_seed + args.seeds) if name == "cartpole" else [0]
         for seed in seeds:
             cfg = load_run_config(path)
             cfg["seed"] = seed
@@ -93,7 +94,7 @@ def healthy_runs(args):
 
 def off_runs(args):
     setting = stab.SETTINGS["cartpole"]
-    for seed in range(args.off_seeds):
+    for seed in range(args.off_first_seed, args.off_first_seed + args.off_seeds):
         t = time.time()
         rows, alerts = _train(stab.config(setting, "off", seed).build_algo(),
                               min(setting["iterations"], args.off_iterations))
@@ -151,8 +152,8 @@ def first_danger(rows):
 
 
 def table(runs, regrade=False):
-    lines = ["| group | run | iterations judged | healthy | warning | danger | load alerts | detail |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| group | run | iterations judged | healthy | warning | danger | seeds' table healthy | load alerts "
+             "| detail |", "|---|---|---|---|---|---|---|---|---|"]
     healthy_judged = healthy_ok = 0
     off_detected = off_crashed = dead_detected = dead_runs_n = 0
     for run in runs:
@@ -163,9 +164,11 @@ def table(runs, regrade=False):
             load = [a for a in run["alerts"] if a["metric"] in LOAD_ALERTS]
             healthy_judged += len(judged)
             healthy_ok += grades.count("healthy")
+            seeds_table = sum(r.get("moe/load_grade") == 0 for r in judged)
             lines.append(f"| healthy | {run['name']} seed {run['seed']} | {len(judged)} | {grades.count('healthy')} "
-                         f"| {grades.count('warning')} | {grades.count('danger')} | {len(load)} "
-                         f"| final return {rows[-1]['episode_return_mean']:.2f} |")
+                         f"| {grades.count('warning')} | {grades.count('danger')} | {seeds_table} | {len(load)} "
+                         f"| final return {rows[-1]['episode_return_mean']:.2f}, CV "
+                         f"{min(r['moe/cv'] for r in judged):.2f}-{max(r['moe/cv'] for r in judged):.2f} |")
         elif run["group"] == "off":
             crash, danger = crash_iteration(rows), first_danger(rows)
             detected = crash is not None and danger is not None and danger <= crash
@@ -173,7 +176,7 @@ def table(runs, regrade=False):
             off_detected += detected
             reason = stab.crashed(rows, stab.SETTINGS["cartpole"]["moe"]["num_experts"],
                                   stab.SETTINGS["cartpole"]["target"])
-            lines.append(f"| off | seed {run['seed']} | {len(rows)} | | | | | crash {reason} at {crash}, "
+            lines.append(f"| off | seed {run['seed']} | {len(rows)} | | | | | | crash {reason} at {crash}, "
                          f"first danger {danger}: {'detected' if detected else 'MISSED' if crash else 'no crash'} |")
         elif run["group"] == "dead":
             danger = first_danger([r for r in rows if r["iteration"] > run["injected_after"]])
@@ -181,7 +184,7 @@ def table(runs, regrade=False):
             dead_runs_n += 1
             dead_detected += detected
             before = [r.get("moe/health") for r in rows if r["iteration"] <= run["injected_after"]]
-            lines.append(f"| dead | seed {run['seed']} | {len(rows)} | | | | | injected after {run['injected_after']}, "
+            lines.append(f"| dead | seed {run['seed']} | {len(rows)} | | | | | | injected after {run['injected_after']}, "
                          f"first danger {danger}: {'detected' if detected else 'MISSED'}; before: {before} |")
     lines.append("")
     if healthy_judged:
@@ -198,18 +201,25 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--groups", default="healthy,off,dead")
     p.add_argument("--iterations", type=int, default=30, help="cap on a healthy run's iterations")
+    p.add_argument("--configs", default=",".join(HEALTHY), help="healthy runs: names of configs/*.yaml")
     p.add_argument("--seeds", type=int, default=5, help="quickstart seeds")
+    p.add_argument("--first-seed", type=int, default=0, help="the first quickstart seed")
     p.add_argument("--off-seeds", type=int, default=10)
+    p.add_argument("--off-first-seed", type=int, default=0)
     p.add_argument("--off-iterations", type=int, default=20,
                    help="cap on an off run's iterations (bench_stability's crash needs 5 in a row)")
     p.add_argument("--dead-seeds", type=int, default=2)
     p.add_argument("--dead-iterations", type=int, default=3, help="iterations after the injection")
     p.add_argument("--json", help="write the recorded runs here (after every run)")
-    p.add_argument("--regrade", help="a --json file: print its table with the current rule, no training")
+    p.add_argument("--regrade", nargs="+", help="--json files: print their table with the current rule, no training")
+    p.add_argument("--table", nargs="+", help="--json files: print their table as recorded (the learner's grades)")
     args = p.parse_args()
-    if args.regrade:
-        with open(args.regrade) as f:
-            print(table(json.load(f)["runs"], regrade=True))
+    if args.regrade or args.table:
+        runs = []
+        for path in args.regrade or args.table:
+            with open(path) as f:
+                runs += json.load(f)["runs"]
+        print(table(runs, regrade=bool(args.regrade)))
         return
     groups = {"healthy": healthy_runs, "off": off_runs, "dead": dead_runs}
     chosen = args.groups.split(",")
