@@ -104,6 +104,26 @@ def _write(out, data: bytes) -> None:
         pass
 
 
+def _proc_state(pid: int) -> str:
+    """Linux /proc state letter; 'X' for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def _watch_daemons(daemons: dict, trainer: int, lost: list, stop: threading.Event) -> None:
+    """A Ray daemon (raylet, GCS) found dead while the trainer is still our parent died first:
+    the cluster went away. Daemons killed by the trainer's own death (they share its fate) die
+    only after the kernel has given us a new parent, so they never count."""
+    while not stop.wait(0.01):   # the trainer may follow its raylet within a fraction of a second
+        for name, pid in daemons.items():
+            if _proc_state(pid) in "ZX" and os.getppid() == trainer:
+                lost.append(f"{name} died")
+                return
+
+
 def _mark(run_dir: str, reason: str) -> None:
     path = os.path.join(run_dir, "INCOMPLETE")
     tmp = path + ".tmp"
@@ -120,20 +140,27 @@ def guard(run_dir: str, location: str, ctl_fd: int, err_fd: int) -> int:
     seen: list = []
     pump = threading.Thread(target=_pump, args=(err_fd, sys.stderr.buffer, seen), daemon=True)
     pump.start()
-    where, lost = "", None
+    where, lost, polled, stop = "", None, [], threading.Event()
+    trainer = os.getppid()
     with os.fdopen(ctl_fd, "rb") as ctl:
         for raw in ctl:
             word, _, rest = raw.decode().strip().partition(" ")
             if word == "done":
+                stop.set()
                 pump.join(DRAIN_S)
                 return 0
-            if word == "running":
+            if word == "ray":   # the embedded Ray's daemons: "ray raylet=PID gcs_server=PID"
+                daemons = {k: int(v) for k, v in (item.split("=") for item in rest.split())}
+                threading.Thread(target=_watch_daemons, args=(daemons, trainer, polled, stop), daemon=True).start()
+            elif word == "running":
                 where = f" during iteration {rest}"
             elif word == "finished":
                 where = f" after iteration {rest}"
             elif word == "lost":
                 lost = rest
     # The trainer died without finishing. Let Ray's last words through first.
+    stop.set()
+    lost = lost or (polled[0] if polled else None)
     deadline = time.monotonic() + DRAIN_S
     while pump.is_alive() and time.monotonic() < deadline:
         pump.join(0.1)

@@ -68,6 +68,10 @@ class EmbeddedRayWatch:
         self._stop = threading.Event()
         self._thread = None
         if self._node is not None:
+            # The guardian polls them too, from outside: this process may be ended too soon to say it.
+            pids = [f"{kind}={info.process.pid}" for kind in RAY_DAEMONS
+                    for info in self._node.all_processes.get(kind, [])]
+            guardian.progress("ray " + " ".join(pids))
             self._thread = threading.Thread(target=self._run, name="moe-rl-ray-watch", daemon=True)
             self._thread.start()
 
