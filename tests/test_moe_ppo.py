@@ -85,6 +85,17 @@ def test_after_weight_sync_inference_copy_matches_learner(trained):
     assert np.array_equal(r_topk, l_topk)
 
 
+def test_get_module_is_the_trained_policy_not_the_local_runners_initial_one(trained):
+    """algo.get_module() (what RLlib users evaluate with) answers with the synced weights, though
+    MoEPPO syncs only the sampling rollout actors."""
+    algo, _ = trained
+    with torch.no_grad():
+        out = algo.get_module().forward_inference({Columns.OBS: torch.as_tensor(OBS)})
+    l_logits, l_topk = learner_forward(algo, OBS)
+    assert np.abs(logp_of_actions(out[Columns.ACTION_DIST_INPUTS].numpy()) - logp_of_actions(l_logits)).max() <= 1e-6
+    assert np.array_equal(out[MOE_TOPK].numpy(), l_topk)
+
+
 def test_bf16_inference_copy_drifts_measurably(ray_local):
     algo = small_config(inference_dtype="bf16").build_algo()
     try:

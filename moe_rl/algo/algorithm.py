@@ -15,6 +15,7 @@ import time
 from typing import Any, Dict, Optional
 
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
+from ray.rllib.core import DEFAULT_MODULE_ID
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
 from ray.rllib.utils import force_list
@@ -256,6 +257,15 @@ class MoEPPO(PPO):
                     for mid, d in part.items():
                         self.synced_digests.setdefault(mid, {}).update(d)
                 self.sync_gate.after_sync()
+
+    def get_module(self, module_id=DEFAULT_MODULE_ID):
+        """RLlib's: the local EnvRunner's module, brought to the synced version first. MoEPPO syncs
+        only the rollout actors that sample, so with remote ones the local runner (which RLlib keeps
+        for spaces and evaluation) would otherwise still hold its initial weights."""
+        group = self.env_runner_group
+        if group is not None and group.local_env_runner is not None and group.num_remote_env_runners() > 0:
+            load_shards_into_runner(group.local_env_runner, self.synced_refs, self.weights_version)
+        return super().get_module(module_id)
 
     def reference_refs(self) -> Optional[list]:
         """What the update-size check compares against: the published parts, or None where the
