@@ -102,7 +102,7 @@ class ConsistencyActor:
         candidate_lag = lag + 1   # the update-sized signals are judged, and kept, per update
         t0 = time.perf_counter()
         rows: Dict[str, Dict[str, Any]] = {}
-        mismatch, signals, all_rejected = [], {}, []
+        mismatch, signals, held, all_rejected = [], {}, {}, []
         for mid in sorted(set(trainer) | set(candidate_view) | set(stats["terms"])):
             row = rows[mid] = {"iteration": iteration, "module_id": mid, "sync_id": self.sync_id,
                                "weights_version": version, "lag_versions": lag}
@@ -131,10 +131,12 @@ class ConsistencyActor:
                 all_rejected.append(f"{mid}: the rollout correction kept no step of the update ({sk['steps']} "
                                     f"steps skipped; {sk.get('in_a_row', 1)} updates in a row)")
             for k, v in row.items():
-                if self.state.signal(k) and not emptied:   # a skipped update's zeros are no history
-                    signals[f"{mid}|{k}"] = v
+                if self.state.signal(k):   # an emptied update's figures are no history (below)
+                    (held if emptied else signals)[f"{mid}|{k}"] = v
             row["weights_finite"] = bool(stats["finite"])
         found = self.state.update_breaches(signals, candidate_lag)
+        if lag > 0:   # an emptied update applied nothing, but the held updates before it still differ
+            found += self.state.update_breaches(held, lag)
         bad = [(k.split("|", 1)[1] if len(rows) == 1 else k.replace("|", "/"), v, t) for k, v, t in found]
         verdict = self.state.decide(finite=bool(stats["finite"]), bad_update=bad, mismatch=mismatch,
                                     corrupt=corrupt, replicas=replicas, all_rejected=all_rejected)

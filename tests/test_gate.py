@@ -405,6 +405,20 @@ def test_an_update_the_correction_emptied_is_a_gate_cause_with_its_streak():
 
 
 @pytest.mark.pure
+def test_an_emptied_update_after_a_hold_still_has_the_held_update_judged():
+    """The correction rejected all of this update, but the held one before it still separates the
+    candidate from the synced weights: it is judged (at the updates actually applied), not waved
+    through as all_rejected, and stays out of the history."""
+    actor = _actor(policy="hold")
+    for _ in range(3):
+        assert _check(actor, 0, 0.05)["decision"] == "sync"
+    assert _check(actor, 0, 5.0)["decision"] == "hold"
+    v = _check(actor, 1, 5.0, skipped={"p": {"steps": 8, "skipped": 8, "in_a_row": 1}})
+    assert v["decision"] == "hold" and set(v["causes"]) == {"bad_update", "all_rejected"}, v
+    assert len(actor.state.limits["p|update_size/experts"].values) == 3
+
+
+@pytest.mark.pure
 def test_under_warn_a_breaching_value_never_raises_its_own_bar():
     actor = _actor(policy="warn")
     for _ in range(3):
