@@ -93,6 +93,7 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
             row = metrics_row(algo.train())
             curve.append({"time_s": time.time() - START, "env_steps": row["env_steps_total"],
                           "task_return_mean": row.get("task_return_mean", math.nan),
+                          "check_s": row.get("check_s", 0.0),
                           **{k: v for k, v in row.items() if k.startswith("task/") and "/experts/" not in k}})
             print(f"{arm} seed {seed}{' ' + task if task else ''}: steps {row['env_steps_total']} "
                   f"avg {curve[-1]['task_return_mean']:.3f} {curve[-1]['time_s']:.0f}s", flush=True)
@@ -106,12 +107,25 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
         ray.shutdown()
     result = {"arm": arm, "suite": suite, "seed": seed, "task": task, "budget": budget, "train_s": train_s,
               "env_steps": curve[-1]["env_steps"], "curve": curve, "evaluation": evaluation,
-              "routing_last_iteration": routing, "parameters": sum(p.numel() for p in module.parameters()),
+              "routing_last_iteration": routing, "policy_parameters": policy_parameters(module),
               "command": " ".join(sys.argv)}
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(out + ".tmp", out)
+
+
+def policy_parameters(module) -> dict:
+    """The policy's parameters (the value network left out): all of them, and those one observation
+    uses (top_k of the num_experts experts of each MoE layer)."""
+    total = active = 0
+    s = getattr(module, "moe_settings", None)
+    for name, p in module.named_parameters():
+        if name.startswith("vf"):
+            continue
+        total += p.numel()
+        active += p.numel() * (s["top_k"] / s["num_experts"] if s and ".experts." in name else 1)
+    return {"total": total, "active": int(active)}
 
 
 def result_path(results: str, suite: str, arm: str, seed: int, task=None) -> str:

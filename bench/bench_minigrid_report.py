@@ -1,9 +1,10 @@
 """The table and the figure of bench/bench_minigrid.py, from its saved result files.
 
 Headline: the average over tasks of the sampled-action evaluation return (MOORE's "average return"),
-mean and 95 % CI (Student t) over seeds. Time to the dense arm's final return: the first iteration
-whose training return averaged over tasks reaches the median, over dense seeds, of dense's last
-iteration; wall-clock from process start (Ray start and build included), median over seeds.
+mean and 95 % CI (Student t) over seeds. Time to the dense arm's final return: the target is the
+median over dense seeds of the training return averaged over tasks over each run's last SMOOTH
+iterations; a run reaches it at the first iteration where the rolling mean of SMOOTH iterations does;
+wall-clock from process start (Ray start and build included), median over seeds.
 """
 from __future__ import annotations
 
@@ -32,6 +33,30 @@ def _avg(evaluation, mode="sampled"):
     return statistics.fmean(f[f"{mode}_return"] for f in evaluation.values())
 
 
+SMOOTH = 5   # iterations: the final return is the mean of the last SMOOTH, crossings use a rolling mean
+
+
+def _finite_curve(run):
+    return [p for p in run["curve"] if not math.isnan(p["task_return_mean"])]
+
+
+def final_return(run) -> float:
+    """The mean training return over tasks of the last SMOOTH iterations that have one."""
+    tail = _finite_curve(run)[-SMOOTH:]
+    return statistics.fmean(p["task_return_mean"] for p in tail) if tail else math.nan
+
+
+def time_to(run, target: float):
+    """Seconds from process start to the first iteration whose rolling mean (SMOOTH iterations)
+    of the training return reaches `target`; None if it never does."""
+    points = _finite_curve(run)
+    for i in range(len(points)):
+        window = points[max(0, i - SMOOTH + 1):i + 1]
+        if statistics.fmean(p["task_return_mean"] for p in window) >= target:
+            return points[i]["time_s"]
+    return None
+
+
 def report(results: str, suite: str) -> str:
     runs = list(saved(results, suite))
     if not runs:
@@ -42,14 +67,16 @@ def report(results: str, suite: str) -> str:
     singles = defaultdict(dict)                      # seed -> task -> evaluation of its single-task run
     for r in arms.pop("single", []):
         singles[r["seed"]].update(r["evaluation"])
-    dense_final = [r["curve"][-1]["task_return_mean"] for r in arms.get("dense", [])]
+    dense_final = [final_return(r) for r in arms.get("dense", [])]
+    dense_final = [v for v in dense_final if not math.isnan(v)]
     target = statistics.median(dense_final) if dense_final else math.nan
     tasks = list(next(iter(arms.values()))[0]["evaluation"]) if arms else list(next(iter(singles.values())))
     lines = [f"### MiniGrid {suite} ({', '.join(tasks)}): {len(runs)} runs",
              "",
              "| arm | seeds | avg return, sampled (mean ± 95 % CI) | greedy | success (sampled) | "
-             + " | ".join(tasks) + " | train wall-clock s (median) | env steps/s | s to dense's final "
-             f"training return {target:.3f} (median; reached/seeds) | parameters |",
+             + " | ".join(tasks) + " | train wall-clock s, median (of it the consistency check) | env steps/s | "
+             f"s to dense's final training return {target:.3f} (median; reached/seeds) | "
+             "policy parameters, total / active |",
              "|" + "---|" * (9 + len(tasks))]
     curves = {}
     for arm, rs in sorted(arms.items()):
@@ -59,13 +86,15 @@ def report(results: str, suite: str) -> str:
         success = statistics.fmean(statistics.fmean(f["sampled_success"] for f in r["evaluation"].values()) for r in rs)
         per_task = [statistics.fmean(r["evaluation"][t]["sampled_return"] for r in rs) for t in tasks]
         wall = statistics.median(r["train_s"] for r in rs)
+        check = statistics.median(sum(p.get("check_s", 0.0) for p in r["curve"]) for r in rs)
         sps = statistics.median(r["env_steps"] / r["train_s"] for r in rs)
-        reach = [next((p["time_s"] for p in r["curve"] if p["task_return_mean"] >= target), None) for r in rs]
+        reach = [time_to(r, target) for r in rs]
         hit = [t for t in reach if t is not None]
         reach_txt = f"{statistics.median(hit):.0f} ({len(hit)}/{len(rs)})" if hit else f"never (0/{len(rs)})"
         lines.append(f"| {arm} | {','.join(str(r['seed']) for r in rs)} | {m:.3f} ± {ci:.3f} | {greedy:.3f} | "
                      f"{success:.2f} | " + " | ".join(f"{v:.3f}" for v in per_task)
-                     + f" | {wall:.0f} | {sps:.0f} | {reach_txt} | {rs[0]['parameters']} |")
+                     + f" | {wall:.0f} ({check:.0f}) | {sps:.0f} | {reach_txt} | "
+                     f"{rs[0]['policy_parameters']['total']} / {rs[0]['policy_parameters']['active']} |")
         for r in rs:
             curves[f"{arm} s{r['seed']}"] = [(p["env_steps"], p["task_return_mean"]) for p in r["curve"]]
     if singles:

@@ -7,7 +7,7 @@ Each episode plays one MiniGrid task. The observation is the agent's egocentric 
 
 Every task keeps its own `max_steps` (MiniGrid truncates; this env adds no time limit of its own)
 and MiniGrid's own reward: 1 - 0.9 * steps / max_steps on success, else 0. `info` carries the task's
-name (`task`), its index (`task_id`) and, at the end of an episode, `success`.
+name (`task`), its index (`task_id`) and, at the end of an episode, `success` and `num_tasks`.
 
 Equal share of env steps per task (the protocol's budget is per task): a reset plays the task that
 has taken the fewest steps in this env so far (ties by list order), so long-episode tasks do not
@@ -121,6 +121,7 @@ class MultiTaskMiniGrid(gym.Env):
         info = {"task": self.task_names[self._task], "task_id": self._task}
         if terminated or truncated:
             info["success"] = bool(terminated and reward > 0)
+            info["num_tasks"] = self.num_tasks
         return self._obs(image), float(reward), terminated, truncated, info
 
     def close(self):

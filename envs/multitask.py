@@ -94,5 +94,5 @@ class MultiTaskEnv(gym.Env):
             raise ValueError(f"action: must be an int in [0, {self.n_actions - 1}], got {action!r}")
         reward = 1.0 if action == self._best[t] else 0.0
         self._t = t = t + 1
-        return self._obs[t], reward, False, t == self.episode_length, {"task_id": self._task,
-                                                                        "task": f"task{self._task}"}
+        return self._obs[t], reward, False, t == self.episode_length, {
+            "task_id": self._task, "task": f"task{self._task}", "num_tasks": self.num_tasks}

@@ -92,7 +92,8 @@ def task_columns(runners: Dict[str, Any]) -> Dict[str, Any]:
     """Per-task figures (moe_rl.rllib.task_metrics): return / success / length as logged, routing
     counts as each task's share of its layer's tokens, and the headline pair `task_return_mean`
     (the average over tasks, MOORE's "average return") and `task_return_min` (the worst task).
-    RLlib reports a task's figures over the episodes that ended this iteration (NaN: none did)."""
+    RLlib reports a task's figures over the episodes that ended this iteration (NaN: none did);
+    `task_count` (the env's number of tasks) says whether every task has a column yet."""
     row: Dict[str, Any] = {}
     totals: Dict[str, float] = {}
     for k, v in runners.items():
@@ -109,7 +110,8 @@ def task_columns(runners: Dict[str, Any]) -> Dict[str, Any]:
     # Over every task or none: a task with no episode ended this iteration (NaN) would otherwise
     # leave the average over the others, which is not the same figure.
     returns = [v for k, v in row.items() if k.endswith("/return")]
-    if returns and not any(math.isnan(v) for v in returns):
+    count = _float(runners.get("task_count"))
+    if returns and len(returns) == count and not any(math.isnan(v) for v in returns):
         row["task_return_mean"], row["task_return_min"] = sum(returns) / len(returns), min(returns)
     return row
 

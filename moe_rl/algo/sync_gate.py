@@ -212,8 +212,8 @@ class SyncGate:
         if decision in ("rollback", "stop"):
             algo.restore_last_good()
         if decision == "stop":
-            raise GateStop(f"bad_update: {verdict['reason']} after {self.s['max_rollbacks']} rollbacks (one is forgiven "
-                           f"only after as many passing checks in a row); "
+            raise GateStop(f"bad_update: {verdict['reason']} after {self.s['max_rollbacks']} rollbacks "
+                           f"(one is forgiven only after as many passing checks in a row); "
                            f"the learners hold the last good weights; the run stays resumable: moe-rl train "
                            f"--resume RUN_DIR (consider a lower training.lr)")
         self.group.set_lr_scale(verdict["lr_scale"])

@@ -104,7 +104,9 @@ class SkippedSteps:
         kept = self._kept.pop(module_id, None)
         flags = torch.tensor([float(kept or 0), float(kept is not None)], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags)
+            on_wire = flags.cuda() if dist.get_backend() == "nccl" else flags   # NCCL takes GPU tensors only
+            dist.all_reduce(on_wire)
+            flags = on_wire.cpu()
         if flags[1] == 0:   # the module had no rows in this minibatch on any learner: nothing to judge
             return True
         update = self._update.setdefault(module_id, [0, 0])

@@ -3,9 +3,12 @@
 Any env whose final `info` names the episode's task (`info["task"]`, as moe_rl/MiniGrid-MT* and
 moe_rl/MultiTask-v0 do) gets, under RLlib's `env_runners` results:
 
-    task/<name>/return, task/<name>/length    mean over the last `metrics_num_episodes_for_smoothing`
-                                              episodes of that task (RLlib's own window for the return)
+    task/<name>/return, task/<name>/length    mean over that task's episodes that ended this
+                                              iteration (RLlib 2.60 clears a mean at every reduce; NaN:
+                                              none ended)
     task/<name>/success                       the same, of info["success"] where the env reports it
+    task_count                                info["num_tasks"] (the metrics row averages over tasks
+                                              only when every one of them has a figure)
     task/<name>/experts/layer{i}/e{j}         tokens the rollout routed to expert j of MoE layer i in
                                               that task's episodes ended this iteration (a sum; the
                                               metrics row turns it into each task's share;
@@ -49,6 +52,8 @@ class TaskEpisodeMetrics(RLlibCallback):
         metrics_logger.log_value(f"{key}/length", float(sum(len(c) for c in chunks)), window=window)
         if "success" in info:
             metrics_logger.log_value(f"{key}/success", float(info["success"]), window=window)
+        if "num_tasks" in info:
+            metrics_logger.log_value("task_count", int(info["num_tasks"]), reduce="max")
         num_experts = _num_experts(rl_module)
         if num_experts is None or num_experts > PER_EXPERT_MAX or MOE_TOPK not in episode.extra_model_outputs:
             return
