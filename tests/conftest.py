@@ -23,7 +23,8 @@ os.environ[ray_processes.SUITE_MARKER] = SUITE_MARK
 def ray_local():
     """A real local Ray for one test module, stopped afterwards."""
     import ray
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of the test's own, never another head that ray.init() would find on the host
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
