@@ -229,13 +229,14 @@ class WaitWatch:
             if state.unplaced:
                 self.unplaced_s += now - last
             last = now
-            if now >= next_line:
+            expired = self.timeout_s is not None and self.unplaced_s >= self.timeout_s
+            if now >= next_line or expired:   # the give-up says first what it waited for
                 next_line = now + self.every_s
                 try:
                     self.printer(self._line(state, now - self.t0), flush=True)
                 except Exception:
                     pass
-            if self.timeout_s is not None and self.unplaced_s >= self.timeout_s:
+            if expired:
                 self._expired = True
                 # The main thread sits in a blocking Ray call: interrupt it, again if one is lost.
                 while not self._done.wait(0 if not self._interrupts else 2.0) and self._interrupts < 30:
