@@ -95,6 +95,7 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
                           "task_return_mean": row.get("task_return_mean", math.nan),
                           "check_s": row.get("check_s", 0.0),
                           **{k: v for k, v in row.items() if k.startswith("task/") and "/experts/" not in k}})
+            _write_json(out + ".partial", {"arm": arm, "suite": suite, "seed": seed, "task": task, "curve": curve})
             print(f"{arm} seed {seed}{' ' + task if task else ''}: steps {row['env_steps_total']} "
                   f"avg {curve[-1]['task_return_mean']:.3f} {curve[-1]['time_s']:.0f}s", flush=True)
         train_s = time.time() - START
@@ -109,10 +110,17 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
               "env_steps": curve[-1]["env_steps"], "curve": curve, "evaluation": evaluation,
               "routing_last_iteration": routing, "policy_parameters": policy_parameters(module),
               "command": " ".join(sys.argv)}
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(out + ".tmp", out)
+    _write_json(out, result)
+    if os.path.exists(out + ".partial"):
+        os.unlink(out + ".partial")
+
+
+def _write_json(path: str, data) -> None:
+    """Atomically: a run cut off mid-way leaves its curve so far in OUT.partial, never a torn file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
 
 
 def policy_parameters(module) -> dict:
