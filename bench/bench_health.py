@@ -168,7 +168,8 @@ def table(runs, regrade=False):
             lines.append(f"| healthy | {run['name']} seed {run['seed']} | {len(judged)} | {grades.count('healthy')} "
                          f"| {grades.count('warning')} | {grades.count('danger')} | {seeds_table} | {len(load)} "
                          f"| final return {rows[-1]['episode_return_mean']:.2f}, CV "
-                         f"{min(r['moe/cv'] for r in judged):.2f}-{max(r['moe/cv'] for r in judged):.2f} |")
+                         f"{min((r.get('moe/cv', math.nan) for r in judged), default=math.nan):.2f}-"
+                         f"{max((r.get('moe/cv', math.nan) for r in judged), default=math.nan):.2f} |")
         elif run["group"] == "off":
             crash, danger = crash_iteration(rows), first_danger(rows)
             detected = crash is not None and danger is not None and danger <= crash
