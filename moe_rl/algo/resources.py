@@ -185,6 +185,15 @@ def startup_state(job_id: str) -> Startup:
     return state
 
 
+# Set while a WaitWatch interrupts the main thread to give up: its simulated SIGINT is not a user's
+# Ctrl-C (moe_rl.app.stop_signals lets it through as a KeyboardInterrupt).
+_GIVING_UP = threading.Event()
+
+
+def giving_up() -> bool:
+    return _GIVING_UP.is_set()
+
+
 class WaitWatch:
     """While the main thread builds the algorithm, poll what it waits for and print a progress
     line every `every_s` that says which: resources not placed yet, or actors placed and still
@@ -238,6 +247,7 @@ class WaitWatch:
                     pass
             if expired:
                 self._expired = True
+                _GIVING_UP.set()
                 # The main thread sits in a blocking Ray call: interrupt it, again if one is lost.
                 while not self._done.wait(0 if not self._interrupts else 2.0) and self._interrupts < 30:
                     self._interrupts += 1
@@ -251,6 +261,7 @@ class WaitWatch:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._done.set()
+        _GIVING_UP.clear()
         if self._expired and exc_type is KeyboardInterrupt:
             raise ResourceWait(f"gave up after {self.timeout_s:g}s waiting for resources") from None
         return False

@@ -19,6 +19,7 @@ import sys
 import threading
 from typing import Callable, Optional
 
+from moe_rl.algo.resources import giving_up
 from moe_rl.app import checkpoint as ck
 
 NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
@@ -63,6 +64,8 @@ class StopSignals:
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and giving_up():   # the wait watch's give-up, not a user's Ctrl-C
+            raise KeyboardInterrupt
         if self.signum is None:
             self.signum = signum
             self.on_first(signum)
