@@ -103,7 +103,7 @@ def main():
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise SystemExit(f"--arms: {bad[0]!r} is not one of {tuple(ARMS)}")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     out, t0 = [], time.time()
     try:
         for seed in range(args.seeds):

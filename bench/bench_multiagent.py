@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     raw = raw_config(args.seed, check=True)
     arms = {"moe": lambda: validate_run_config(raw_config(args.seed, check=True)),
             "moe_no_check": lambda: validate_run_config(raw_config(args.seed, check=False)),

@@ -10,14 +10,13 @@ import tempfile
 
 import gymnasium as gym
 import numpy as np
+import ray_processes
 import torch
 from ray.rllib.core.columns import Columns
 
 from moe_rl import MoEPPOConfig
 from moe_rl.core.losses import moe_aux_losses
 from moe_rl.rllib.rl_module import MOE_ROUTING
-
-import ray_processes
 
 ENV = gym.make("CartPole-v1")
 RNG = np.random.default_rng(0)

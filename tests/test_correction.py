@@ -141,7 +141,8 @@ def test_a_kept_interval_without_the_ratio_one_is_refused():
     """rs_threshold < 1 with the default lower bound 1/U > U would reject every step of a run."""
     for bad, field in [({"rs_level": "token", "rs_threshold": 0.5}, "rs_threshold"),
                        ({"rs_level": "token", "rs_threshold": 0.9, "rs_threshold_lower": 0.5}, "rs_threshold"),
-                       ({"rs_level": "geometric", "rs_threshold": 2.0, "rs_threshold_lower": 1.5}, "rs_threshold_lower"),
+                       ({"rs_level": "geometric", "rs_threshold": 2.0, "rs_threshold_lower": 1.5},
+                        "rs_threshold_lower"),
                        ({"veto_threshold": 1.5}, "veto_threshold")]:
         with pytest.raises(ConfigError, match=f"^consistency.correction.{field}: must be .*(ratio 1|agree)"):
             resolve_correction(bad)
@@ -189,7 +190,8 @@ def _hand_batch(learner, n=12, shift=0.0, logit_noise=0.0):
     obs = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = module.forward_exploration({Columns.OBS: obs})
-    logits = out[Columns.ACTION_DIST_INPUTS] + logit_noise * torch.randn(n, 2, generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(n, 2, generator=torch.Generator().manual_seed(1))
+    logits = out[Columns.ACTION_DIST_INPUTS] + logit_noise * noise
     actions = torch.zeros(n, dtype=torch.long)
     return {"default_policy": {Columns.OBS: obs, Columns.ACTIONS: actions,
                                Columns.ACTION_LOGP: torch.log_softmax(logits, -1)[:, 0] - shift,

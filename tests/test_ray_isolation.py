@@ -12,7 +12,6 @@ import time
 
 import psutil
 import pytest
-
 import ray_processes
 from bystander_env import HOLD_FILE_ENV
 from helpers import free_port

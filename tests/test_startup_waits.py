@@ -8,7 +8,6 @@ import time
 
 import pytest
 import ray
-
 from helpers import free_port
 
 from actors.startup import StartupReport, extension_builds, skip_unused_shm_comm_op
@@ -17,7 +16,7 @@ from moe_rl.algo.resources import Demand, ResourceWait, WaitWatch, startup_state
 
 @pytest.fixture(scope="module")
 def ray_2cpus():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
