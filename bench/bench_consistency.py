@@ -44,7 +44,7 @@ def main():
     ap.add_argument("--learners", type=int, default=0, help="0: local learner; 2: DeepSpeed ep_size=2")
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     cfg = load_run_config()
     # Interleave off/on twice so drift in machine load hits both alike.
     off, on = [], []

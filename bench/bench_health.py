@@ -227,7 +227,7 @@ def main():
     bad = [g for g in chosen if g not in groups]
     if bad:
         raise SystemExit(f"--groups: {bad[0]!r} is not one of {', '.join(groups)}")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     runs, t0 = [], time.time()
     try:
         for g in chosen:

@@ -68,7 +68,7 @@ def main():
                     help="an override for every arm, e.g. training.num_epochs=1")
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     out = []
     try:
         for arm in args.arms.split(","):
