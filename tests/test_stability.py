@@ -8,22 +8,11 @@ from torch import nn
 
 from moe_rl.core.anomaly import AnomalyDetector
 from moe_rl.core.balance import AdaptiveBalance
+from moe_rl.core.gradients import EXACT_QUANTILE_MAX, Lamb, abs_quantile, orthonormal_basis, project_, winsorize_
 from moe_rl.core.layer import MoELayer
 from moe_rl.core.routing import RoutingRecord
 from moe_rl.core.settings import ConfigError
-from moe_rl.core.stability import (
-    EXACT_QUANTILE_MAX,
-    Lamb,
-    StabilityToolkit,
-    abs_quantile,
-    expert_dropout_at,
-    lr_at,
-    orthonormal_basis,
-    project_,
-    set_expert_dropout,
-    validate_stability,
-    winsorize_,
-)
+from moe_rl.core.stability import StabilityToolkit, expert_dropout_at, lr_at, set_expert_dropout, validate_stability
 
 pytestmark = pytest.mark.pure
 

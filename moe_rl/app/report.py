@@ -24,6 +24,7 @@ import yaml
 
 from moe_rl.algo.results import atomic_write_bytes
 from moe_rl.app.plots import heatmap_svg, interval_plot_svg, xy_plot_svg
+from moe_rl.app.report_html import CSS, fig_row, fmt, not_recorded, section, table
 from moe_rl.app.report_tasks import task_figures, task_names
 from moe_rl.core.gate import DECISIONS, mismatch_limits
 from moe_rl.core.metrics import DANGER_HIGH, DANGER_LOW, GRADES, WARN_HIGH, WARN_LOW
@@ -33,17 +34,7 @@ DECISION_COLOURS = {"sync": "#2ca02c", "warn": "#ff9f1c", "hold": "#9467bd", "ro
                     "stop": "#000000"}
 LOSSES = ("policy_loss", "vf_loss", "entropy", "mean_kl_loss", "aux_loss", "z_loss")
 MAX_COLUMNS = 150   # heat-map columns (longer runs are strided: the SVG stays small)
-MAX_TABLE_ROWS = 200
 SMALL = {"width": 300, "height": 190}
-
-CSS = """body{font-family:sans-serif;margin:16px;max-width:1320px;color:#222}
-h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:22px 0 6px;border-bottom:1px solid #ccc}
-h3{font-size:13px;margin:10px 0 4px}.sub{color:#666;font-size:12px;margin:0 0 10px}
-.figs{display:flex;flex-wrap:wrap;gap:10px;align-items:flex-start}
-table{border-collapse:collapse;font-size:12px;margin:4px 0}td,th{border:1px solid #ddd;padding:2px 6px;
-text-align:left;vertical-align:top}th{background:#f4f4f4}td.pre{white-space:pre-wrap;font-family:monospace}
-.nr{color:#888;font-style:italic}.note{color:#b00}"""
-
 
 def write_report(run_dir: str) -> str:
     """Render RUN_DIR/report.html (atomically) and return its path."""
@@ -70,12 +61,12 @@ def render_report(run_dir: str) -> str:
     body = [f"<h1>moe-rl run report: {esc(name)}</h1>",
             f'<p class="sub">{esc(os.path.abspath(run_dir))} · generated {esc(time.strftime("%Y-%m-%d %H:%M:%S"))}</p>',
             _header(cfg, m), *(f'<p class="note">{esc(s)}</p>' for s in notes),
-            _section("1. Return and losses", _returns_losses(m)),
-            *([_section("1b. Tasks: return, success and routing per task", [_figs(task_figures(m))])]
+            section("1. Return and losses", _returns_losses(m)),
+            *([section("1b. Tasks: return, success and routing per task", [fig_row(task_figures(m))])]
               if task_names(m) else []),
             *_per_module(cfg, m, ledger, study, limits, n),
-            _section("6. Parameter divergence and sync decisions", _sync(m, ledger)),
-            _section("7. Alerts", _alerts(alerts))]
+            section("6. Parameter divergence and sync decisions", _sync(m, ledger)),
+            section("7. Alerts", _alerts(alerts))]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>moe-rl report: {esc(name)}'
             f'</title><style>{CSS}</style></head><body>\n' + "\n".join(body) + "\n</body></html>\n")
 
@@ -85,10 +76,10 @@ def _per_module(cfg, m, ledger, study, limits, n) -> list:
     `<module>/` columns and its ledger rows)."""
     modules = sorted({k[:-len("/moe/cv")] for r in m or [] for k in r if k.endswith("/moe/cv") and k != "moe/cv"})
     if not modules:
-        return [_section("2. Expert utilisation and health", _utilisation(m, n)),
-                _section("3. Router-logit distributions per expert", _logits(m)),
-                _section("4. Router entropy and active experts", _entropy(m, n)),
-                _section("5. Training-inference drift", _drift(m, ledger, study, limits))]
+        return [section("2. Expert utilisation and health", _utilisation(m, n)),
+                section("3. Router-logit distributions per expert", _logits(m)),
+                section("4. Router entropy and active experts", _entropy(m, n)),
+                section("5. Training-inference drift", _drift(m, ledger, study, limits))]
     out = []
     for mid in modules:
         prefix = mid + "/"
@@ -97,10 +88,10 @@ def _per_module(cfg, m, ledger, study, limits, n) -> list:
         own = [r for r in ledger or [] if r.get("module_id") == mid]
         experts = (((cfg.get("multi_agent") or {}).get("policies") or {}).get(mid) or {}).get("moe", {}).get(
             "num_experts") or n
-        out += [_section(f"2. Module {mid}: expert utilisation and health", _utilisation(rows, experts)),
-                _section(f"3. Module {mid}: router-logit distributions per expert", _logits(rows)),
-                _section(f"4. Module {mid}: router entropy and active experts", _entropy(rows, experts)),
-                _section(f"5. Module {mid}: training-inference drift", _drift([], own, study, limits))]
+        out += [section(f"2. Module {mid}: expert utilisation and health", _utilisation(rows, experts)),
+                section(f"3. Module {mid}: router-logit distributions per expert", _logits(rows)),
+                section(f"4. Module {mid}: router entropy and active experts", _entropy(rows, experts)),
+                section(f"5. Module {mid}: training-inference drift", _drift([], own, study, limits))]
     return out
 
 
@@ -180,43 +171,12 @@ def _mean(values):
     return sum(known) / len(known) if known else None
 
 
-# --- HTML pieces -----------------------------------------------------------------------------------
-def _section(title: str, parts) -> str:
-    return f"<section><h2>{esc(title)}</h2>\n" + "\n".join(parts) + "\n</section>"
-
-
-def _figs(svgs) -> str:
-    return '<div class="figs">' + "\n".join(svgs) + "</div>"
-
-
-def _nr(what: str) -> str:
-    return f'<p class="nr">not recorded: {esc(what)}</p>'
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def _table(header, rows, pre: tuple = ()) -> str:
-    """rows: sequences of cells; columns whose index is in `pre` keep their line breaks."""
-    out = ["<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>"]
-    for r in rows[:MAX_TABLE_ROWS]:
-        out.append("<tr>" + "".join(f'<td{" class=pre" if i in pre else ""}>{esc(_fmt(v))}</td>'
-                                    for i, v in enumerate(r)) + "</tr>")
-    out.append("</table>")
-    if len(rows) > MAX_TABLE_ROWS:
-        out.append(f'<p class="sub">{len(rows) - MAX_TABLE_ROWS} more rows not shown</p>')
-    return "".join(out)
-
-
 def _header(cfg: dict, m) -> str:
     moe, last = cfg.get("moe") or {}, (m or [{}])[-1]
     returns = [y for _, y in _pts(m, "episode_return_mean")]
     items = [("env", cfg.get("env")), ("experts", moe.get("num_experts")), ("top_k", moe.get("top_k")),
              ("router", moe.get("router")), ("MoE layers", moe.get("num_layers")),
-             ("iterations (recorded / configured)", f"{len(m or [])} / {_fmt(cfg.get('iterations')) or '?'}"),
+             ("iterations (recorded / configured)", f"{len(m or [])} / {fmt(cfg.get('iterations')) or '?'}"),
              ("env steps", last.get("env_steps_total")), ("wall time (s)", last.get("time_s")),
              ("return (last / best)", f"{returns[-1]:.4g} / {max(returns):.4g}" if returns else None),
              ("health (last)", last.get("moe/health")), ("seed", cfg.get("seed")),
@@ -225,7 +185,7 @@ def _header(cfg: dict, m) -> str:
              ("sync policy", (cfg.get("consistency") or {}).get("policy"))]
     if not cfg:
         items.append(("config.yaml", "not recorded"))
-    return _table(["setting", "value"], [(k, "not recorded" if v is None else v) for k, v in items])
+    return table(["setting", "value"], [(k, "not recorded" if v is None else v) for k, v in items])
 
 
 # --- sections --------------------------------------------------------------------------------------
@@ -234,7 +194,7 @@ def _returns_losses(m) -> list:
             ] if _pts(m, "episode_return_mean") else []
     figs += [xy_plot_svg({k: _pts(m, k)}, k, **SMALL) for k in LOSSES if _pts(m, k)]
     missing = [k for k in ("episode_return_mean", *LOSSES) if not _pts(m, k)]
-    return ([_figs(figs)] if figs else []) + ([_nr(", ".join(missing))] if missing else [])
+    return ([fig_row(figs)] if figs else []) + ([not_recorded(", ".join(missing))] if missing else [])
 
 
 def _band(u: float, n: int) -> int:
@@ -262,7 +222,7 @@ def _utilisation(m, n) -> list:
         out.append(heatmap_svg(strip, xs, "health grade per layer (dead experts, collapse)" + per,
                                lambda _, g: GRADE_COLOURS[GRADES.index(g)] if g in GRADES else "#999", legend=legend))
     else:
-        out.append(_nr("health grade (moe/health, moe/layer{i}/health)"))
+        out.append(not_recorded("health grade (moe/health, moe/layer{i}/health)"))
     per_expert = {label: (p, _per_expert(m, p, "util")) for p, label in layers}
     if n and any(e for _, e in per_expert.values()):
         # Hue = health band of the share, lightness = the share itself (darker = more tokens).
@@ -278,11 +238,11 @@ def _utilisation(m, n) -> list:
             if experts:
                 out.append(heatmap_svg(cells, xs, f"{label}: utilisation share per expert (N={n}){per}", colour,
                                        legend=legend))
-        return [_figs(out)]
+        return [fig_row(out)]
     series = {f"{label} {k}": _pts(m, f"{p}{k}_util") for p, label in layers for k in ("min", "max")}
     series = {k: v for k, v in series.items() if v}
     if not series:
-        return [_figs(out), _nr("expert utilisation (moe/util per expert, moe/min_util, moe/max_util)")]
+        return [fig_row(out), not_recorded("expert utilisation (moe/util per expert, moe/min_util, moe/max_util)")]
     bands, hlines, y_range = (), (), None
     if n:  # the healthy band [0.8/N, 3/N] holds every expert's share; the others follow metrics.py
         g, w, d = GRADE_COLOURS
@@ -295,7 +255,7 @@ def _utilisation(m, n) -> list:
                            ylabel="share of tokens", bands=bands, hlines=hlines, y_range=y_range))
     note = ("per-expert utilisation not logged: layer min/max shares shown; "
             "bands of the seeds' LM table (green in band, orange outside, red far outside); the grade is moe/health")
-    return [_figs(out), f'<p class="sub">{note}</p>']
+    return [fig_row(out), f'<p class="sub">{note}</p>']
 
 
 def _logits(m) -> list:
@@ -308,7 +268,9 @@ def _logits(m) -> list:
                                                   for j in experts] for r in (m[0], m[-1])}
         figs.append(interval_plot_svg([f"e{j}" for j in experts], series,
                                       f"{label}: router logit mean ± std per expert", ylabel="logit"))
-    return [_figs(figs)] if figs else [_nr("per-expert router-logit statistics (moe/layer{i}/logit_mean/e{j})")]
+    if not figs:
+        return [not_recorded("per-expert router-logit statistics (moe/layer{i}/logit_mean/e{j})")]
+    return [fig_row(figs)]
 
 
 def _entropy(m, n) -> list:
@@ -320,14 +282,14 @@ def _entropy(m, n) -> list:
         figs.append(xy_plot_svg({k: v for k, v in ent.items() if v}, "router entropy / ln N", ylabel="1 = uniform",
                                 y_range=(0.0, 1.05), hlines=[(1.0, "#555", "uniform")]))
     else:
-        out.append(_nr("router entropy (moe/router_entropy_norm)"))
+        out.append(not_recorded("router entropy (moe/router_entropy_norm)"))
     if any(act.values()):
         top = n or max(y for s in act.values() for _, y in s)
         figs.append(xy_plot_svg({k: v for k, v in act.items() if v}, "active experts", ylabel="experts",
                                 y_range=(0.0, top + 0.5), hlines=[(top, "#555", f"all {top:g}")]))
     else:
-        out.append(_nr("active experts (moe/active_experts)"))
-    return ([_figs(figs)] if figs else []) + out
+        out.append(not_recorded("active experts (moe/active_experts)"))
+    return ([fig_row(figs)] if figs else []) + out
 
 
 def _drift(m, ledger, study, limits) -> list:
@@ -343,9 +305,10 @@ def _drift(m, ledger, study, limits) -> list:
             top = max([y for s in series.values() for _, y in s] + [thr or 0.0])
             figs.append(xy_plot_svg(series, title, hlines=[(thr, "#d62728", f"threshold {thr:g}")] if thr else (),
                                     y_range=None if key == "routing_agreement" else (0.0, top or 1.0), **SMALL))
-    out += [_figs(figs)] if figs else [_nr("drift over iterations (drift/k3 in metrics.parquet, drift.parquet)")]
+    out.append(fig_row(figs) if figs else
+               not_recorded("drift over iterations (drift/k3 in metrics.parquet, drift.parquet)"))
     if not study:
-        return [*out, _nr("drift versus sequence length (drift_study.parquet from moe-rl drift-study)")]
+        return [*out, not_recorded("drift versus sequence length (drift_study.parquet from moe-rl drift-study)")]
     figs = []
     for key, title in (("k3", "K3 vs sequence length"), ("max_abs_logp_diff", "max |Δ log-prob| vs sequence length")):
         series = {}
@@ -356,13 +319,13 @@ def _drift(m, ledger, study, limits) -> list:
                     by_len.setdefault(r["seq_len"], []).append(r[key])
             series[f"{source} (mean over seeds)"] = [(L, sum(v) / len(v)) for L, v in sorted(by_len.items())]
         figs.append(xy_plot_svg(series, title, xlabel="sequence length", log_x=True, **SMALL))
-    return [*out, "<h3>versus sequence length</h3>", _figs(figs)]
+    return [*out, "<h3>versus sequence length</h3>", fig_row(figs)]
 
 
 def _sync(m, ledger) -> list:
     out = ["<h3>parameter-divergence breaches (corrupt rollout copies, diverged replicas)</h3>"]
     if not ledger or "param_breach_lines" not in _cols(ledger):
-        out.append(_nr("parameter divergence (param_breach_lines in drift.parquet)"))
+        out.append(not_recorded("parameter divergence (param_breach_lines in drift.parquet)"))
     else:
         rows = []
         for r in ledger:
@@ -370,18 +333,18 @@ def _sync(m, ledger) -> list:
                 g = re.match(r"(.*): max_diff=(\S+) \(threshold=([^)]*)\)$", line)
                 rows.append((r.get("iteration"), r.get("sync_id"), *(g.groups() if g else (line, "", ""))))
         if rows:
-            out.append(_table(["iteration", "sync id", "tensor", "max |Δ|", "threshold"], rows))
+            out.append(table(["iteration", "sync id", "tensor", "max |Δ|", "threshold"], rows))
         else:
             out.append(f'<p>no parameter-divergence breaches in {len(ledger)} checks (digests of every tensor)</p>')
     out.append("<h3>sync decisions</h3>")
     source = ledger if ledger and "decision" in _cols(ledger) else [
         {**r, "decision": r.get("drift/decision")} for r in m or [] if r.get("drift/decision")]
     if not source:
-        return [*out, _nr("sync decisions (decision in drift.parquet, drift/decision in metrics.parquet)")]
+        return [*out, not_recorded("sync decisions (decision in drift.parquet, drift/decision in metrics.parquet)")]
     counts = dict.fromkeys(DECISIONS, 0)
     for r in source:
         counts[r.get("decision")] = counts.get(r.get("decision"), 0) + 1
-    out.append(_table(["decision", "checks"], list(counts.items())))
+    out.append(table(["decision", "checks"], list(counts.items())))
     bins, xs, per = _bins(source)
     out.append(heatmap_svg({"decision": [_worst([r.get("decision") for r in b], DECISIONS) for b in bins]}, xs,
                            "sync decision per check" + per.replace("iterations", "checks"),
@@ -390,16 +353,16 @@ def _sync(m, ledger) -> list:
     flagged = [(r.get("iteration"), r.get("decision"), r.get("cause"), r.get("action"), r.get("reason"))
                for r in source if r.get("action")]
     if flagged:
-        out.append(_table(["iteration", "decision", "cause", "action", "reason"], flagged, pre=(4,)))
+        out.append(table(["iteration", "decision", "cause", "action", "reason"], flagged, pre=(4,)))
     return out
 
 
 def _alerts(alerts) -> list:
     if alerts is None:
-        return [_nr("alerts (alerts.parquet)")]
+        return [not_recorded("alerts (alerts.parquet)")]
     if not alerts:
         return ["<p>no alerts</p>"]
     first = ["iteration", "metric", "kind", "value", "message"]
     header = [c for c in first if c in _cols(alerts)] + sorted(_cols(alerts) - set(first))
-    return [f"<p>{len(alerts)} alerts</p>", _table(header, [[r.get(c) for c in header] for r in alerts],
+    return [f"<p>{len(alerts)} alerts</p>", table(header, [[r.get(c) for c in header] for r in alerts],
                                                    pre=(header.index("message"),) if "message" in header else ())]
