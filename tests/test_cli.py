@@ -146,7 +146,16 @@ def test_train_with_deepspeed_expert_parallel_learners(tmp_path):
                 time.sleep(0.5)
             burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                        for _ in range(os.cpu_count() or 2)]
-            p.wait(1800)   # a hang guard: a saturated 2-core machine took 654 s to start and 178 s an iteration
+            # Busy until the learners have started (the subject); the two iterations run without them
+            # (saturated, one took 178 s: the suite's time, not the start's).
+            deadline = time.monotonic() + 1800   # a hang guard: a saturated 2-core machine took 654 s to start
+            while "2 learners): done in" not in log_path.read_text() and p.poll() is None:
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.5)
+            for b in burners:
+                b.kill()
+                b.wait()
+            p.wait(900)
         finally:
             for b in burners:
                 b.kill()
