@@ -86,7 +86,7 @@ def report(results: str, suite: str) -> str:
         success = statistics.fmean(statistics.fmean(f["sampled_success"] for f in r["evaluation"].values()) for r in rs)
         per_task = [statistics.fmean(r["evaluation"][t]["sampled_return"] for r in rs) for t in tasks]
         wall = statistics.median(r["train_s"] for r in rs)
-        check = statistics.median(sum(p.get("check_s", 0.0) for p in r["curve"]) for r in rs)
+        check = statistics.median(sum(c for p in r["curve"] if (c := p.get("check_s") or 0.0) == c) for r in rs)
         sps = statistics.median(r["env_steps"] / r["train_s"] for r in rs)
         reach = [time_to(r, target) for r in rs]
         hit = [t for t in reach if t is not None]
