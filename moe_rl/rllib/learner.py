@@ -360,7 +360,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         for mid, state in full.items():
             with torch.no_grad():
                 for k, v in stack_experts(state, local[mid].keys()).items():
-                    local[mid][k].copy_(torch.as_tensor(np.asarray(v)))
+                    local[mid][k].copy_(v if isinstance(v, torch.Tensor) else _copied_tensor(v))
 
     def tensor(self, module_id: str, name: str) -> Optional[np.ndarray]:
         return self.shard(inference_only=False, everything=True).get(module_id, {}).get(name)
