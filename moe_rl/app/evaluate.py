@@ -37,6 +37,18 @@ def greedy_action(module, obs, action_space, generator=None):
     return np.clip(mean, action_space.low, action_space.high)
 
 
+def play_episode(module, env, seed: int, options=None, generator=None) -> Tuple[float, dict]:
+    """One episode from reset(seed, options): (undiscounted return, the last step's info); actions
+    greedy, or sampled with `generator`."""
+    obs, info = env.reset(seed=seed, options=options)
+    total, done = 0.0, False
+    while not done:
+        obs, r, term, trunc, info = env.step(greedy_action(module, obs, env.action_space, generator))
+        total += float(r)
+        done = term or trunc
+    return total, info
+
+
 def load_run(run_dir: str, flag: str = "RUN_DIR") -> Tuple[dict, str]:
     """A run directory's config.yaml and its newest good checkpoint (ConfigError naming `flag`)."""
     cfg_path = os.path.join(run_dir, "config.yaml")
@@ -59,15 +71,7 @@ def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
     env = gym.make(cfg["env"], **(cfg.get("env_config") or {}))
     module = load_policy(ckpt, cfg, env.observation_space, env.action_space)
     module.eval()
-    returns = []
-    for ep in range(episodes):
-        obs, _ = env.reset(seed=seed + ep)
-        total, done = 0.0, False
-        while not done:
-            obs, r, term, trunc, _ = env.step(greedy_action(module, obs, env.action_space))
-            total += float(r)
-            done = term or trunc
-        returns.append(total)
+    returns = [play_episode(module, env, seed + ep)[0] for ep in range(episodes)]
     env.close()
     return float(np.mean(returns)), returns
 
@@ -99,16 +103,9 @@ def evaluate_module_tasks(module, env, episodes: int, seed: int) -> Dict[str, Di
         figures = out.setdefault(name, {})
         for mode in ("sampled", "greedy"):
             generator = torch.Generator().manual_seed(seed + task) if mode == "sampled" else None
-            returns, successes = [], []
-            for ep in range(episodes):
-                obs, _ = env.reset(seed=seed + ep, options={"task_id": task})
-                total, done, info = 0.0, False, {}
-                while not done:
-                    obs, r, term, trunc, info = env.step(greedy_action(module, obs, env.action_space, generator))
-                    total += float(r)
-                    done = term or trunc
-                returns.append(total)
-                successes.append(float(info.get("success", False)))
+            played = [play_episode(module, env, seed + ep, {"task_id": task}, generator) for ep in range(episodes)]
+            returns = [total for total, _ in played]
+            successes = [float(info.get("success", False)) for _, info in played]
             figures[f"{mode}_return"] = float(np.mean(returns))
             figures[f"{mode}_success"] = float(np.mean(successes))
     return out
