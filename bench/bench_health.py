@@ -45,7 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEALTHY = ["cartpole", "stable", "multitask", "tokens", "minigrid_mt3"]
 LOAD_ALERTS = ("moe/health", "moe/health_level", "moe/cv", "moe/active_experts")
 INJECT_AFTER = 3     # the dead expert is injected after this many iterations
-KEEP = ("iteration", "episode_return_mean", "policy_loss", "vf_loss", "aux_loss")
+KEEP = ("iteration", "episode_return_mean", "episodes", "episode_return_mean_100", "policy_loss", "vf_loss",
+        "aux_loss")
 
 
 def _slim(row):
@@ -64,7 +65,7 @@ def _train(algo, iterations, stop_return=None, after=None):
                        for a in result.get("moe_rl_alerts", [])]
             if after is not None:
                 after(algo, row["iteration"])
-            if stop_return is not None and row["episode_return_mean"] >= stop_return:
+            if stop_return is not None and row["episode_return_mean_100"] >= stop_return:
                 break
             if not all(math.isfinite(row.get(k, 0.0)) for k in ("policy_loss", "vf_loss")):
                 break

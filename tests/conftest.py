@@ -29,6 +29,13 @@ def ray_local():
     ray.shutdown()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests first: the suite runs two files at a time (pytest-xdist, --dist loadfile),
+    and a long file that starts last leaves one worker alone at the end. Stable within each group."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 def pytest_runtest_teardown(item):
     # Before the test's fixtures are torn down: an in-process Ray of a module fixture is still up.
     ray_processes.record(ray_processes.marked_ray_processes(SUITE_MARK))

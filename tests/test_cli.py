@@ -124,6 +124,7 @@ def test_unwritable_output_is_a_clear_error(tmp_path):
     assert p.returncode == 2 and "output: cannot write the run directory" in p.stderr
 
 
+@pytest.mark.slow
 def test_train_with_deepspeed_expert_parallel_learners(tmp_path):
     """`moe-rl train --num-learners 2 --ep-size 2`: DeepSpeed learner group from the CLI; the
     run's checkpoint evaluates from the learners' shards. As on a fresh install of a busy machine

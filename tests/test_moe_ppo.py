@@ -122,6 +122,11 @@ def test_routing_replay_auto_resolves_by_what_makes_routing_differ(moe, mode, to
     assert replay_mode({**MOE_DEFAULTS, **moe}, token_policy=True) == token_mode
 
 
+# The quickstart's training settings before its small, frequent updates (BENCHMARKS.md's R3 figures).
+OLD_QUICKSTART_TRAINING = {"lr": 3e-4, "gamma": 0.99, "lambda_": 0.95, "train_batch_size_per_learner": 4000,
+                           "minibatch_size": 256, "num_epochs": 6}
+
+
 def test_routing_replay_learns_like_no_replay_and_keeps_the_router_balanced(ray_local):
     """R3 regression (issue 14): counting the loads from the replayed experts froze the balance
     statistic for a whole update and drove one expert into every token's top-2; R3 then learned
@@ -133,7 +138,9 @@ def test_routing_replay_learns_like_no_replay_and_keeps_the_router_balanced(ray_
     import os
 
     from moe_rl.app.run_config import apply_overrides, load_run_config, validate_run_config
-    quickstart = load_run_config(os.path.join(os.path.dirname(__file__), "..", "configs", "cartpole.yaml"))
+    quickstart = apply_overrides(   # the update sizes the figures above were measured at
+        load_run_config(os.path.join(os.path.dirname(__file__), "..", "configs", "cartpole.yaml")),
+        [f"training.{k}={v}" for k, v in OLD_QUICKSTART_TRAINING.items()])
     runs = {}
     for replay in ("false", "true"):
         algo = validate_run_config(apply_overrides(quickstart, [f"moe.routing_replay={replay}"])).build_algo()

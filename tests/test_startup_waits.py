@@ -2,6 +2,7 @@
 cluster.wait_timeout_s ends), actors placed and still starting, and a learner's own step (a
 compile says so). A real in-process Ray with 2 CPUs; actors stand in for the run's."""
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,7 +75,19 @@ def test_a_learner_step_and_a_compile_are_named(ray_2cpus, tmp_path):
     ray.kill(actor)
 
 
-def test_resources_that_cannot_be_placed_end_the_wait(ray_2cpus):
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
+def test_resources_that_cannot_be_placed_end_the_wait(ray_2cpus, sigint):
+    """Also with SIGINT ignored, as in a script's background job or a pytest-xdist worker (the
+    give-up interrupts the main thread; it waited forever there)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler if sigint == "handled" else signal.SIG_IGN)
+    try:
+        _give_up()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert signal.getsignal(signal.SIGINT) is previous
+
+
+def _give_up():
     lines = []
     t0 = time.monotonic()
     with pytest.raises(ResourceWait):

@@ -272,11 +272,12 @@ class MoEPPO(PPO):
         learners kept them (the collective transport)."""
         return self._synced_refs if self.weight_sync is None else None
 
-    def continue_ledgers(self, drift_rows, alerts_total: int) -> None:
-        """A resumed run: the gate's ledger and the alert count go on from the checkpoint's."""
+    def continue_ledgers(self, drift_rows, alerts_total: int, metrics_rows=()) -> None:
+        """A resumed run: the gate's ledger, the alert count and the rolling return go on from the
+        checkpoint's."""
         if self.sync_gate is not None:
             self.sync_gate.rows[:] = list(drift_rows)
-        self.monitoring.continue_from(len(drift_rows), alerts_total)
+        self.monitoring.continue_from(len(drift_rows), alerts_total, metrics_rows)
 
     def restore_last_good(self) -> None:
         """The learners back to the state of the synced version (weights and optimizer moments)."""

@@ -14,13 +14,14 @@ Prometheus (the CLI sets it to the run directory's name).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Dict, List
 
 import ray
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
 from moe_rl.algo.prometheus import PrometheusExporter
-from moe_rl.algo.results import metrics_row
+from moe_rl.algo.results import metrics_row, rolling_return_mean
 from moe_rl.core.anomaly import AnomalyDetector, rss_mb
 from moe_rl.core.stability import validate_stability
 
@@ -37,6 +38,7 @@ class MoEMonitoring(RLlibCallback):
         self.prometheus = PrometheusExporter(run=run, num_experts=config.moe_settings["num_experts"])
         self.alerts_total = 0
         self._ledger_seen = 0
+        self._returns: List[Dict[str, Any]] = []   # (episodes, mean return) per iteration: the rolling mean
 
     @property
     def run(self) -> str:
@@ -61,6 +63,10 @@ class MoEMonitoring(RLlibCallback):
         result["moe_rl_drift"] = rows[self._ledger_seen:]
         self._ledger_seen = len(rows)
         row = metrics_row(result)
+        self._returns.append({k: row[k] for k in ("episodes", "episode_return_mean")})
+        del self._returns[:-ROLLING_EPISODES]   # an iteration ends at least one episode when it counts
+        rolling = rolling_return_mean(self._returns, ROLLING_EPISODES)
+        row["episode_return_mean_100"] = figures["episode_return_mean_100"] = rolling
         new: List[Dict[str, Any]] = []
         if self.anomaly is not None:
             new = self.anomaly.observe(row)
@@ -71,9 +77,15 @@ class MoEMonitoring(RLlibCallback):
         result["moe_rl_alerts"] = new
         self.prometheus.export(row, new)
 
-    def continue_from(self, ledger_rows: int, alerts_total: int) -> None:
-        """A resumed run: the ledger and the alert count go on from the checkpoint's."""
+    def continue_from(self, ledger_rows: int, alerts_total: int, metrics_rows=()) -> None:
+        """A resumed run: the ledger, the alert count and the rolling return go on from the checkpoint's."""
         self._ledger_seen, self.alerts_total = ledger_rows, alerts_total
+        self._returns = [{k: r.get(k, d) for k, d in (("episodes", 0), ("episode_return_mean", math.nan))}
+                         for r in list(metrics_rows)[-ROLLING_EPISODES:]]
+
 
     def close(self) -> None:
         self.prometheus.close()
+
+
+ROLLING_EPISODES = 100   # episode_return_mean_100: the mean over the last 100 or more episodes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import _thread
 import json
 import math
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -256,12 +257,21 @@ class WaitWatch:
 
     def __enter__(self) -> "WaitWatch":
         self.t0 = time.monotonic()
+        # interrupt_main() does nothing while SIGINT is ignored, as it is in a script's background job
+        # (`moe-rl train ... &`) or a pytest-xdist worker: the give-up would wait forever. A handler
+        # for the watch's time (only the main thread may set one).
+        self._ignored_sigint = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) in (
+                signal.SIG_IGN, signal.SIG_DFL, None):
+            self._ignored_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Thread(target=self._watch, daemon=True, name="moe-rl-wait-watch").start()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._done.set()
         _GIVING_UP.clear()
+        if self._ignored_sigint is not None:
+            signal.signal(signal.SIGINT, self._ignored_sigint)
         if self._expired and exc_type is KeyboardInterrupt:
             raise ResourceWait(f"gave up after {self.timeout_s:g}s waiting for resources") from None
         return False

@@ -3,7 +3,10 @@
 metrics.parquet has one row per iteration. Its columns are public API (also TensorBoard tags and,
 prefixed `moe_rl_`, Prometheus names):
 
-    iteration, env_steps_total, time_s, episode_return_mean, episode_len_mean,
+    iteration, env_steps_total, time_s, episode_return_mean, episode_len_mean, episodes,
+    episode_return_mean_100 (the mean over the last 100 or more episodes: what the progress line and
+    stop_return read; RLlib 2.60's episode_return_mean covers only the episodes that ended in the
+    iteration, despite metrics_num_episodes_for_smoothing),
     policy_loss, vf_loss, entropy, mean_kl_loss, aux_loss, z_loss, weights_seq_no,
     moe/cv, moe/min_util, moe/max_util, moe/active_experts, moe/router_entropy,
     moe/router_entropy_norm, moe/health (healthy|warning|danger), moe/health_level (0|1|2),
@@ -71,6 +74,7 @@ def metrics_row(result: Dict[str, Any]) -> Dict[str, Any]:
         "time_s": _float(result.get("time_total_s")),
         "episode_return_mean": _float(runners.get("episode_return_mean")),
         "episode_len_mean": _float(runners.get("episode_len_mean")),
+        "episodes": int(_float(runners.get("num_episodes")) if runners.get("num_episodes") is not None else 0),
         "weights_seq_no": _float(runners.get("weights_seq_no")),
     }
     if set(learners) <= {DEFAULT_MODULE_ID}:
@@ -86,6 +90,20 @@ def metrics_row(result: Dict[str, Any]) -> Dict[str, Any]:
     for k, v in sorted(result.get("moe_rl", {}).items()):  # algorithm-level figures (drift, ...)
         row[k] = v if isinstance(v, str) else _float(v)
     return row
+
+
+def rolling_return_mean(rows: List[Dict[str, Any]], episodes: int = 100) -> float:
+    """The mean training return over the last `episodes` or more episodes: whole iterations, newest
+    first, weighted by the episodes that ended in each, until they hold `episodes` (fewer at the
+    start of a run). NaN before any episode has ended."""
+    total = count = 0.0
+    for row in reversed(rows):
+        n, ret = row.get("episodes", 0), row.get("episode_return_mean", math.nan)
+        if n > 0 and math.isfinite(ret):
+            total, count = total + n * ret, count + n
+            if count >= episodes:
+                break
+    return total / count if count else math.nan
 
 
 def task_columns(runners: Dict[str, Any]) -> Dict[str, Any]:

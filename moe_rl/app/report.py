@@ -173,7 +173,7 @@ def _mean(values):
 
 def _header(cfg: dict, m) -> str:
     moe, last = cfg.get("moe") or {}, (m or [{}])[-1]
-    returns = [y for _, y in _pts(m, "episode_return_mean")]
+    returns = [y for _, y in _pts(m, "episode_return_mean_100") or _pts(m, "episode_return_mean")]
     items = [("env", cfg.get("env")), ("experts", moe.get("num_experts")), ("top_k", moe.get("top_k")),
              ("router", moe.get("router")), ("MoE layers", moe.get("num_layers")),
              ("iterations (recorded / configured)", f"{len(m or [])} / {fmt(cfg.get('iterations')) or '?'}"),
@@ -190,8 +190,10 @@ def _header(cfg: dict, m) -> str:
 
 # --- sections --------------------------------------------------------------------------------------
 def _returns_losses(m) -> list:
-    figs = [xy_plot_svg({"mean return": _pts(m, "episode_return_mean")}, "episode return", ylabel="return")
-            ] if _pts(m, "episode_return_mean") else []
+    curves = {name: _pts(m, k) for name, k in (("last 100 episodes", "episode_return_mean_100"),
+                                                ("episodes ended in the iteration", "episode_return_mean"))}
+    curves = {name: pts for name, pts in curves.items() if pts}
+    figs = [xy_plot_svg(curves, "mean episode return", ylabel="return")] if curves else []
     figs += [xy_plot_svg({k: _pts(m, k)}, k, **SMALL) for k in LOSSES if _pts(m, k)]
     missing = [k for k in ("episode_return_mean", *LOSSES) if not _pts(m, k)]
     return ([fig_row(figs)] if figs else []) + ([not_recorded(", ".join(missing))] if missing else [])

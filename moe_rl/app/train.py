@@ -124,7 +124,8 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
                 for a in result.get("moe_rl_alerts", []):
                     print(f"  alert: {a['kind']} {a['message']}", flush=True)
                 i = row["iteration"]
-                done = i >= iterations or (stop_return is not None and row["episode_return_mean"] >= stop_return)
+                ret = row.get("episode_return_mean_100", row["episode_return_mean"])
+                done = i >= iterations or (stop_return is not None and ret >= stop_return)
                 if done or i % every == 0:
                     path = ck.save_checkpoint(algo, run.checkpoints, i, run.resolved_config)
                     if time.monotonic() - last_verified >= verify_every:
@@ -194,7 +195,8 @@ def progress_line(row) -> str:
                     key=row.get)
         tasks = f"  tasks avg {row['task_return_mean']:.2f} worst {worst.split('/')[1]} {row[worst]:.2f}"
     return (f"iter {row['iteration']:4d}  steps {row['env_steps_total']:8d}  "
-            f"return {row['episode_return_mean']:8.2f}{tasks}  health {row.get('moe/health', '-'):8s}  "
+            f"return {row.get('episode_return_mean_100', row['episode_return_mean']):8.2f}{tasks}  "
+            f"health {row.get('moe/health', '-'):8s}  "
             f"cv {row.get('moe/cv', float('nan')):.2f}  "
             f"drift k3 {row.get('drift/k3', float('nan')):.2g}  "
             f"{row.get('env_steps_per_s', float('nan')):5.0f} steps/s (sample {row.get('sample_s', 0):.1f}s "
@@ -206,7 +208,7 @@ def _continue_run(algo, run, checkpoint) -> None:
     """Tables continue from the restored iteration (later rows are trained again); checkpoints
     newer than the restored one failed verification: out of the iter_* namespace with them."""
     run.continue_from(algo.iteration)
-    algo.continue_ledgers(run.drift, len(run.alerts))
+    algo.continue_ledgers(run.drift, len(run.alerts), run.rows)
     for name in ck.checkpoint_names(run.checkpoints):
         if ck.checkpoint_iteration(name) > ck.checkpoint_iteration(os.path.basename(checkpoint)):
             moved = ck.quarantine(os.path.join(run.checkpoints, name))
@@ -270,6 +272,9 @@ class Phase:
         print(f"moe-rl: {self.what}: done in {time.monotonic() - self.t0:.1f}s{note}", flush=True)
 
 
+EMBEDDED_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+
+
 def ensure_ray(min_cpus: int) -> bool:
     """Connect to RAY_ADDRESS (as under `ray job submit`) or start an embedded Ray on loopback
     offering at least `min_cpus` logical CPUs (actors then share the cores; a smaller head would
@@ -286,8 +291,11 @@ def ensure_ray(min_cpus: int) -> bool:
         cpus = max(os.cpu_count() or 1, min_cpus)
         phase = Phase(f"starting a local Ray on 127.0.0.1 ({cpus} logical CPUs)")
         # address="local": a new Ray of our own, never another user's head that ray.init() would
-        # otherwise find on this host (it then also refuses num_cpus)
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=cpus)
+        # otherwise find on this host (it then also refuses num_cpus). worker_niceness 0: Ray starts
+        # workers at nice 15, and here the workers (rollout actors, learners) are the training, not
+        # background work: at 15, any other process on a shared machine starves them.
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=cpus,
+                 _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
     phase.done()
     return True
 
