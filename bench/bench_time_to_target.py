@@ -34,6 +34,8 @@ import subprocess
 import sys
 import time
 
+from bench_minigrid import seeds_of  # "0-4" or "0,2,5"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 TASKS = {   # name: (gymnasium id, moe-rl config, target mean training return, step cap for the peers)
@@ -150,13 +152,6 @@ def tables(data) -> str:
                 lines.append(f"| {row} | " + " | ".join(cells) + f" | {its if its is not None else '-'} |")
         lines.append("")
     return "\n".join(lines)
-
-
-def seeds_of(text: str):
-    if "-" in text:
-        a, b = text.split("-")
-        return list(range(int(a), int(b) + 1))
-    return [int(s) for s in text.split(",")]
 
 
 def main():
