@@ -30,3 +30,4 @@ def test_the_row_keeps_the_iterations_episode_count():
     r = metrics_row(result)
     assert (r["episodes"], r["episode_return_mean"]) == (7, 42.0)
     assert metrics_row({"env_runners": {}})["episodes"] == 0
+    assert metrics_row({"env_runners": {"num_episodes": math.nan}})["episodes"] == 0

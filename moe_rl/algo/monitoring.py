@@ -83,7 +83,6 @@ class MoEMonitoring(RLlibCallback):
         self._returns = [{k: r.get(k, d) for k, d in (("episodes", 0), ("episode_return_mean", math.nan))}
                          for r in list(metrics_rows)[-ROLLING_EPISODES:]]
 
-
     def close(self) -> None:
         self.prometheus.close()
 

@@ -48,6 +48,11 @@ def _float(v) -> float:
         return math.nan
 
 
+def _count(v) -> int:
+    n = _float(v)
+    return int(n) if math.isfinite(n) else 0
+
+
 def _learner_columns(learner: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     row = {prefix + k: _float(learner.get(k)) for k in LEARNER_KEYS}
     for k, v in sorted(learner.items()):
@@ -74,7 +79,7 @@ def metrics_row(result: Dict[str, Any]) -> Dict[str, Any]:
         "time_s": _float(result.get("time_total_s")),
         "episode_return_mean": _float(runners.get("episode_return_mean")),
         "episode_len_mean": _float(runners.get("episode_len_mean")),
-        "episodes": int(_float(runners.get("num_episodes")) if runners.get("num_episodes") is not None else 0),
+        "episodes": _count(runners.get("num_episodes")),
         "weights_seq_no": _float(runners.get("weights_seq_no")),
     }
     if set(learners) <= {DEFAULT_MODULE_ID}:
