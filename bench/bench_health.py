@@ -34,10 +34,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+import bench_stability as stab  # noqa: E402
 import ray  # noqa: E402
 
 import envs  # noqa: E402,F401  registers the moe_rl/ envs
-import bench_stability as stab  # noqa: E402
 from moe_rl.algo.results import metrics_row  # noqa: E402
 from moe_rl.app.run_config import load_run_config, validate_run_config  # noqa: E402
 
@@ -133,6 +133,7 @@ def regraded(run):
     selection shares (moe/layer{i}/util/e{j}) and per-state entropy through a HealthWatch, as the
     learner feeds it the update's counts."""
     import torch
+
     from moe_rl.core.health import HealthWatch
     from moe_rl.core.metrics import GRADES
     watch, out = HealthWatch(), []
@@ -186,7 +187,8 @@ def table(runs, regrade=False):
             dead_runs_n += 1
             dead_detected += detected
             before = [r.get("moe/health") for r in rows if r["iteration"] <= run["injected_after"]]
-            lines.append(f"| dead | seed {run['seed']} | {len(rows)} | | | | | | injected after {run['injected_after']}, "
+            lines.append(f"| dead | seed {run['seed']} | {len(rows)} | | | | | | "
+                         f"injected after {run['injected_after']}, "
                          f"first danger {danger}: {'detected' if detected else 'MISSED'}; before: {before} |")
     lines.append("")
     if healthy_judged:

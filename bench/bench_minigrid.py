@@ -9,6 +9,8 @@ Arms (each one process per seed, its own local Ray, timed from process start):
     dense      stock RLlib PPO with DensePeerModule: the same CNN, task input and blocks, each MoE
                layer a dense FFN of equal active width; the same PPO settings and env runners
     single     dense PPO on one task at a time, 200 k steps each (MOORE's single-task reference)
+    --variant NAME=KEY=VALUE[,KEY=VALUE]   one more arm: moe_task with these run-config overrides
+               (e.g. moe_k4=moe.top_k=4: every expert active), to find out what moves the result
 
 Budget: 200 k env steps per task (MT3 600 k). After training: 16 episodes per task with sampled
 actions (the headline, MOORE's "average return") and 16 greedy. Each run's result is one JSON file
@@ -39,8 +41,9 @@ def config_path(suite: str) -> str:
     return os.path.join(ROOT, "configs", f"minigrid_{suite.lower()}.yaml")
 
 
-def build_config(arm: str, suite: str, seed: int, tasks=None):
-    """The algorithm config of one arm (MoEPPOConfig or stock PPOConfig), from the suite's YAML."""
+def build_config(arm: str, suite: str, seed: int, tasks=None, overrides=()):
+    """The algorithm config of one arm (MoEPPOConfig or stock PPOConfig), from the suite's YAML;
+    overrides (KEY=VALUE, as `moe-rl train --set`) make a variant of the moe_task arm."""
     import gymnasium as gym
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
@@ -51,11 +54,11 @@ def build_config(arm: str, suite: str, seed: int, tasks=None):
     from moe_rl.rllib.dense_peer import DensePeerModule
     from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
 
-    cfg = apply_overrides(load_run_config(config_path(suite)), [f"seed={seed}"])
+    cfg = apply_overrides(load_run_config(config_path(suite)), [f"seed={seed}", *overrides])
     if arm == "moe_topk":
         cfg["moe"] = {k: v for k, v in cfg["moe"].items() if k not in ("router_kwargs", "task_slice")}
         cfg["moe"]["router"] = "topk"
-    if arm in ("moe_task", "moe_topk"):
+    if arm not in ("dense", "single"):   # moe_task, moe_topk and the --variant arms
         return cfg, validate_run_config(cfg)
     # Stock RLlib's way to name an env it does not know: a registered creator (the moe_rl/ ids exist
     # only in processes that import envs, which a stock PPO env runner never does).
@@ -71,7 +74,7 @@ def build_config(arm: str, suite: str, seed: int, tasks=None):
     return cfg, config
 
 
-def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, task=None) -> None:
+def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, task=None, overrides=()) -> None:
     """One training run, then the per-task evaluation; writes `out` (JSON)."""
     import gymnasium as gym
     import ray
@@ -82,7 +85,7 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
     from moe_rl.app.evaluate import evaluate_module_tasks
 
     torch.set_num_threads(1)
-    cfg, config = build_config(arm, suite, seed, [task] if task else None)
+    cfg, config = build_config(arm, suite, seed, [task] if task else None, overrides)
     num_tasks = 1 if task else len(gym.make(cfg["env"]).unwrapped.task_names)
     budget = budget_per_task * num_tasks
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)   # never another head
@@ -109,6 +112,7 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
     result = {"arm": arm, "suite": suite, "seed": seed, "task": task, "budget": budget, "train_s": train_s,
               "env_steps": curve[-1]["env_steps"], "curve": curve, "evaluation": evaluation,
               "routing_last_iteration": routing, "policy_parameters": policy_parameters(module),
+              "overrides": list(overrides),
               "command": " ".join(sys.argv)}
     _write_json(out, result)
     if os.path.exists(out + ".partial"):
@@ -156,11 +160,14 @@ def main():
     ap.add_argument("--budget-per-task", type=int, default=PER_TASK_BUDGET)
     ap.add_argument("--report", action="store_true", help="only the table and the figure from the saved runs")
     ap.add_argument("--one", nargs=3, metavar=("ARM", "SEED", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+                    help="one more arm NAME (list it in --arms): moe_task with these overrides")
     ap.add_argument("--task", help=argparse.SUPPRESS)
+    ap.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         arm, seed, out = args.one
-        return run_one(arm, args.suite, int(seed), out, args.budget_per_task, args.task)
+        return run_one(arm, args.suite, int(seed), out, args.budget_per_task, args.task, args.set)
     if not args.report:
         run_missing(args)
     from bench_minigrid_report import report  # noqa: E402  (bench/ is on sys.path as the script's folder)
@@ -174,16 +181,23 @@ def run_missing(args) -> None:
     import envs  # noqa: F401
     from envs.minigrid_mt import short_name
     tasks = gym.make(f"moe_rl/MiniGrid-{args.suite}-v0").unwrapped.task_ids
+    variants = {}
+    for v in args.variant:
+        name, _, sets = v.partition("=")
+        if not sets or name in ARMS:
+            raise SystemExit(f"--variant: NAME=KEY=VALUE[,KEY=VALUE] with a NAME not in {ARMS}, got {v!r}")
+        variants[name] = sets.split(",")
     for seed in seeds_of(args.seeds):
         for arm in args.arms.split(","):
-            if arm not in ARMS:
-                raise SystemExit(f"--arms: each one of {ARMS}, got {arm!r}")
+            if arm not in ARMS and arm not in variants:
+                raise SystemExit(f"--arms: each one of {ARMS} or a --variant NAME, got {arm!r}")
             for task in (tasks if arm == "single" else [None]):
                 out = result_path(args.results, args.suite, arm, seed, task and short_name(task))
                 if os.path.exists(out):
                     continue
                 cmd = [sys.executable, os.path.abspath(__file__), "--suite", args.suite, "--one", arm, str(seed),
                        out, "--budget-per-task", str(args.budget_per_task)] + (["--task", task] if task else [])
+                cmd += [f"--set={kv}" for kv in variants.get(arm, ())]
                 print("running", " ".join(cmd), flush=True)
                 done = subprocess.run(cmd)
                 if done.returncode != 0:

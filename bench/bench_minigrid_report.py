@@ -1,7 +1,9 @@
 """The table and the figure of bench/bench_minigrid.py, from its saved result files.
 
 Headline: the average over tasks of the sampled-action evaluation return (MOORE's "average return"),
-mean and 95 % CI (Student t) over seeds. Time to the dense arm's final return: the target is the
+mean and 95 % CI (Student t) over seeds. Beside it the final training return (the last SMOOTH
+iterations' mean return over tasks, thousands of episodes a run against the evaluation's 16 a task:
+far less evaluation noise in each seed's figure). Time to the dense arm's final return: the target is the
 median over dense seeds of the training return averaged over tasks over each run's last SMOOTH
 iterations; a run reaches it at the first iteration where the rolling mean of SMOOTH iterations does;
 wall-clock from process start (Ray start and build included), median over seeds.
@@ -73,15 +75,17 @@ def report(results: str, suite: str) -> str:
     tasks = list(next(iter(arms.values()))[0]["evaluation"]) if arms else list(next(iter(singles.values())))
     lines = [f"### MiniGrid {suite} ({', '.join(tasks)}): {len(runs)} runs",
              "",
-             "| arm | seeds | avg return, sampled (mean ± 95 % CI) | greedy | success (sampled) | "
+             "| arm | seeds | avg return, sampled (mean ± 95 % CI) | final training return (mean ± 95 % CI) | "
+             "greedy | success (sampled) | "
              + " | ".join(tasks) + " | train wall-clock s, median (of it the consistency check) | env steps/s | "
              f"s to dense's final training return {target:.3f} (median; reached/seeds) | "
              "policy parameters, total / active |",
-             "|" + "---|" * (9 + len(tasks))]
+             "|" + "---|" * (10 + len(tasks))]
     curves = {}
     for arm, rs in sorted(arms.items()):
         rs.sort(key=lambda r: r["seed"])
         m, ci = mean_ci([_avg(r["evaluation"]) for r in rs])
+        train_m, train_ci = mean_ci([final_return(r) for r in rs])
         greedy = statistics.fmean(_avg(r["evaluation"], "greedy") for r in rs)
         success = statistics.fmean(statistics.fmean(f["sampled_success"] for f in r["evaluation"].values()) for r in rs)
         per_task = [statistics.fmean(r["evaluation"][t]["sampled_return"] for r in rs) for t in tasks]
@@ -91,7 +95,8 @@ def report(results: str, suite: str) -> str:
         reach = [time_to(r, target) for r in rs]
         hit = [t for t in reach if t is not None]
         reach_txt = f"{statistics.median(hit):.0f} ({len(hit)}/{len(rs)})" if hit else f"never (0/{len(rs)})"
-        lines.append(f"| {arm} | {','.join(str(r['seed']) for r in rs)} | {m:.3f} ± {ci:.3f} | {greedy:.3f} | "
+        lines.append(f"| {arm} | {','.join(str(r['seed']) for r in rs)} | {m:.3f} ± {ci:.3f} | "
+                     f"{train_m:.3f} ± {train_ci:.3f} | {greedy:.3f} | "
                      f"{success:.2f} | " + " | ".join(f"{v:.3f}" for v in per_task)
                      + f" | {wall:.0f} ({check:.0f}) | {sps:.0f} | {reach_txt} | "
                      f"{rs[0]['policy_parameters']['total']} / {rs[0]['policy_parameters']['active']} |")
@@ -103,7 +108,7 @@ def report(results: str, suite: str) -> str:
         m, ci = mean_ci(per_seed) if per_seed else (math.nan, math.nan)
         per_task = [statistics.fmean(ev[t]["sampled_return"] for ev in singles.values() if t in ev) for t in tasks]
         lines.append(f"| single (one task per run) | {','.join(str(s) for s in sorted(singles))} | {m:.3f} ± {ci:.3f} "
-                     "| | | " + " | ".join(f"{v:.3f}" for v in per_task) + " | | | | |")
+                     "| | | | " + " | ".join(f"{v:.3f}" for v in per_task) + " | | | | |")
     if curves:
         fig = os.path.join(HERE, "figures", f"minigrid_{suite.lower()}.svg")
         os.makedirs(os.path.dirname(fig), exist_ok=True)

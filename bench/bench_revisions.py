@@ -23,7 +23,8 @@ root, iterations = sys.argv[1], int(sys.argv[2])
 sys.path.insert(0, root)
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray
-ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": root}})
+ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
+         runtime_env={"env_vars": {"PYTHONPATH": root}})
 import moe_rl
 assert os.path.realpath(moe_rl.__file__).startswith(os.path.realpath(root)), moe_rl.__file__
 from moe_rl import MoEPPOConfig

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -121,23 +122,35 @@ def median_of(values):
     return statistics.median(values), len(values)
 
 
+def seconds_median(secs) -> float:
+    """The median over every seed, a seed that never reached the target counted as never (inf):
+    what a user waits for, not the median of the lucky seeds."""
+    return statistics.median(math.inf if s is None else s for s in secs) if secs else math.inf
+
+
+def ratio(mine: float, peer: float) -> str:
+    if math.isinf(peer):
+        return "-" if math.isinf(mine) else "< 1 (peer never)"
+    return "never" if math.isinf(mine) else f"{mine / peer:.2f}x"
+
+
 def tables(data) -> str:
     lines = []
     for task in data["tasks"]:
         runs = [r for r in data["runs"] if r["task"] == task]
         rows = sorted({r["row"] for r in runs}, key=[r["row"] for r in runs].index)
-        ref = {row: median_of([r["seconds_to_target"] for r in runs if r["row"] == row])[0] for row in rows}
+        ref = {row: seconds_median([r["seconds_to_target"] for r in runs if r["row"] == row]) for row in rows}
         lines += [f"### {task}: seconds to a mean training return of {TASKS[task][2]:g}", "",
-                  "| run | seconds per seed | median | vs rllib_tuned | vs sb3_zoo | env steps (median) "
-                  "| reached |", "|---|---|---|---|---|---|---|"]
+                  "| run | seconds per seed | median (never: did not reach) | vs rllib_tuned | vs sb3_zoo "
+                  "| env steps (median of those that reached) | reached |", "|---|---|---|---|---|---|---|"]
         for row in rows:
             mine = [r for r in runs if r["row"] == row]
             secs = [r["seconds_to_target"] for r in mine]
-            med, n = median_of(secs)
+            med, n = ref[row], sum(s is not None for s in secs)
             steps, _ = median_of([r["steps_to_target"] for r in mine])
-            vs = [f"{med / ref[p]:.2f}x" if med and ref.get(p) else "-" for p in ("rllib_tuned", "sb3_zoo")]
+            vs = [ratio(med, ref[p]) if p in ref else "-" for p in ("rllib_tuned", "sb3_zoo")]
             lines.append(f"| {row} | {', '.join('-' if s is None else f'{s:.0f}' for s in secs)} | "
-                         f"{'-' if med is None else f'{med:.0f}'} | {vs[0]} | {vs[1]} | "
+                         f"{'never' if math.isinf(med) else f'{med:.0f}'} | {vs[0]} | {vs[1]} | "
                          f"{'-' if steps is None else f'{steps:.0f}'} | {n}/{len(mine)} |")
         moe_rows = [row for row in rows if row.startswith("moe_rl")]
         if moe_rows:

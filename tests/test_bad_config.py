@@ -37,6 +37,7 @@ CASES = [
     ("moe.router=magic", "moe.router"), ("moe.router_init=xavier", "moe.router_init"),
     ("moe.activation=swish", "moe.activation"), ("moe.dispatch=fast", "moe.dispatch"),
     ("moe.inference_dtype=fp8", "moe.inference_dtype"), ("moe.experts=4", "moe.experts"),
+    ("moe.rollout_compile=1", "moe.rollout_compile"),
     ("training.learning_rate=1e-3", "training.learning_rate"), ("consistency.policy=panic", "consistency.policy"),
     ("consistency.thresholds.k9=1", "consistency.thresholds.k9"), ("deepspeed.zero=3", "deepspeed.zero"),
     ("stability.clip=1", "stability.clip"), ("stability.optimizer=sgd", "stability.optimizer"),

@@ -127,6 +127,23 @@ def test_exact_setup_shows_no_drift(ray_local, tmp_path):
         algo.stop()
 
 
+@pytest.mark.slow
+def test_a_compiled_rollout_copy_computes_the_learners_policy(ray_local):
+    """moe.rollout_compile: the rollout copy samples through torch.compile, and the ledger, which
+    compares its recorded log-probs and routing with the learner's eager forward, shows no drift."""
+    algo = config(ep_size=1, rollout_compile=True).build_algo()
+    try:
+        for _ in range(2):
+            algo.train()
+        compiled = algo.env_runner_group.foreach_env_runner(lambda r: "_compiled_step" in r.module.__dict__,
+                                                            local_env_runner=False)
+        assert compiled == [True]
+        row = last_row(algo)
+        assert row["k3"] <= 1e-9 and row["routing_agreement"] == 1.0 and row["decision"] == "sync", row
+    finally:
+        algo.stop()
+
+
 @pytest.mark.parametrize("policy", ["hold", "rollback"])
 def test_bf16_inference_copy_is_reported_as_mismatch_and_never_stalls(ray_local, policy):
     algo = config(ep_size=1, policy=policy, th={"max_abs_logp_diff": 1e-5}, inference_dtype="bf16").build_algo()

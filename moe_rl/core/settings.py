@@ -43,6 +43,10 @@ MOE_DEFAULTS: Dict[str, Any] = {
     "activation_checkpointing": False,  # recompute MoE blocks in backward: memory for compute
     "policy_head": "linear",   # linear | dual (parallel linear + MLP branches, seed 000's finding)
     "inference_dtype": "fp32", # numeric setup of the rollout (inference) copy
+    "rollout_compile": False,  # the rollout copy's policy forward through torch.compile (inductor):
+                               # fewer Python and kernel launches per env step, after a compile at its
+                               # first sample; the consistency ledger shows whether it still computes
+                               # the learner's policy (BENCHMARKS.md, "time to target")
     "ep_size": 1,              # expert-parallel degree of the learner group
     "routing_replay": "auto",  # R3: the learner replays the rollout's recorded top-k (true: all of it;
                                # mismatched: only the tokens the trainer routes otherwise at the rollout's
@@ -143,6 +147,7 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     _need(s["policy_head"] in POLICY_HEADS, "moe.policy_head", f"one of {POLICY_HEADS}", s["policy_head"])
     for f in ("aux_loss_coef", "z_loss_coef", "reinforce_loss_coef", "replay_anchor_coef"):
         _need(_is_num(s[f]) and s[f] >= 0, f"moe.{f}", "a finite number >= 0", s[f])
+    _need(isinstance(s["rollout_compile"], bool), "moe.rollout_compile", "true or false", s["rollout_compile"])
     _need(s["inference_dtype"] in INFERENCE_DTYPES, "moe.inference_dtype", f"one of {INFERENCE_DTYPES}",
           s["inference_dtype"])
     ep = s["ep_size"]
