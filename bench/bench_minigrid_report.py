@@ -59,6 +59,18 @@ def time_to(run, target: float):
     return None
 
 
+def mean_curve(runs):
+    """Training return averaged over tasks, then over the arm's seeds, per iteration (an arm's
+    runs share one env-step grid: a fixed batch an iteration); iterations without a figure skipped."""
+    points = []
+    for i in range(min(len(r["curve"]) for r in runs)):
+        values = [r["curve"][i]["task_return_mean"] for r in runs]
+        values = [v for v in values if not math.isnan(v)]
+        if values:
+            points.append((runs[0]["curve"][i]["env_steps"], statistics.fmean(values)))
+    return points
+
+
 def report(results: str, suite: str) -> str:
     runs = list(saved(results, suite))
     if not runs:
@@ -100,8 +112,7 @@ def report(results: str, suite: str) -> str:
                      f"{success:.2f} | " + " | ".join(f"{v:.3f}" for v in per_task)
                      + f" | {wall:.0f} ({check:.0f}) | {sps:.0f} | {reach_txt} | "
                      f"{rs[0]['policy_parameters']['total']} / {rs[0]['policy_parameters']['active']} |")
-        for r in rs:
-            curves[f"{arm} s{r['seed']}"] = [(p["env_steps"], p["task_return_mean"]) for p in r["curve"]]
+        curves[f"{arm} ({len(rs)} seeds)"] = mean_curve(rs)
     if singles:
         per_seed = [statistics.fmean(f["sampled_return"] for f in ev.values()) for ev in singles.values()
                     if len(ev) == len(tasks)]
@@ -113,7 +124,7 @@ def report(results: str, suite: str) -> str:
         fig = os.path.join(HERE, "figures", f"minigrid_{suite.lower()}.svg")
         os.makedirs(os.path.dirname(fig), exist_ok=True)
         with open(fig, "w") as f:
-            f.write(xy_plot_svg(curves, f"MiniGrid {suite}: training return averaged over tasks", "env steps",
+            f.write(xy_plot_svg(curves, f"MiniGrid {suite}: training return averaged over tasks and seeds", "env steps",
                                 "return", width=720, height=360,
                                 hlines=[(target, "#888888", "dense final")] if dense_final else ()))
         lines += ["", f"Curves: bench/figures/{os.path.basename(fig)}"]
