@@ -112,7 +112,7 @@ def report(results: str, suite: str) -> str:
                      f"{success:.2f} | " + " | ".join(f"{v:.3f}" for v in per_task)
                      + f" | {wall:.0f} ({check:.0f}) | {sps:.0f} | {reach_txt} | "
                      f"{rs[0]['policy_parameters']['total']} / {rs[0]['policy_parameters']['active']} |")
-        curves[f"{arm} ({len(rs)} seeds)"] = mean_curve(rs)
+        curves[f"{arm} ({len(rs)} seed{'s' if len(rs) > 1 else ''})"] = mean_curve(rs)
     if singles:
         per_seed = [statistics.fmean(f["sampled_return"] for f in ev.values()) for ev in singles.values()
                     if len(ev) == len(tasks)]
