@@ -155,25 +155,27 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             # A NaN/Inf observation must not crash the rollout actor (NaN action probabilities);
             # it acts on zeros here and its episode is dropped before learning (moe_rl.core.sample_filter).
             obs = torch.nan_to_num(obs, nan=0.0, posinf=0.0, neginf=0.0)
-        logits, topk = self._rollout_step(explore)(obs)
+        compiled = self._compiled_rollout()
+        logits, topk = compiled(obs) if compiled is not None else self._rollout_outputs(obs, explore)
         return {Columns.ACTION_DIST_INPUTS: logits, MOE_TOPK: topk}
 
-    def _rollout_step(self, explore: bool):
-        """obs -> (logits, encoded top-k): eager, or compiled for a rollout copy under
-        moe.rollout_compile. Not for a sampling router (its draws stay on eager's random stream)
-        nor the token trunk (its prefix length is data: graph breaks made it slower, 0.90x,
-        bench/bench_rollout_compile.py); for every other router `explore` changes nothing, so one
-        compiled step serves both. Built at the first call and kept out of the module's state:
-        weights synced in place reuse it."""
-        def step(obs):
-            logits, records = self._policy({Columns.OBS: obs}, explore=explore)
-            return logits, torch.stack([r.encoded_top_k() for r in records], 1).to(self.topk_dtype)
+    def _rollout_outputs(self, obs, explore: bool = False):
+        """obs -> (logits, encoded top-k [B, L, k]): what a rollout records per step."""
+        logits, records = self._policy({Columns.OBS: obs}, explore=explore)
+        return logits, torch.stack([r.encoded_top_k() for r in records], 1).to(self.topk_dtype)
 
-        s = self.moe_settings
-        if not (self.inference_only and s["rollout_compile"]) or s["router"] == "reinforce" or self.is_token_policy:
-            return step
+    def _compiled_rollout(self):
+        """_rollout_outputs through torch.compile for a rollout copy under moe.rollout_compile, else
+        None; decided and built once (at the first forward), kept out of the module's state, so
+        weights synced in place reuse it. Not for a sampling router (its draws stay on eager's
+        random stream) nor the token trunk (its prefix length is data: graph breaks made it slower,
+        0.90x, bench/bench_rollout_compile.py); for every other router `explore` changes nothing,
+        so one compiled step serves exploration and evaluation alike."""
         if "_compiled_step" not in self.__dict__:
-            self.__dict__["_compiled_step"] = torch.compile(step)
+            s = self.moe_settings
+            wanted = (self.inference_only and s["rollout_compile"] and s["router"] != "reinforce"
+                      and not self.is_token_policy)
+            self.__dict__["_compiled_step"] = torch.compile(self._rollout_outputs) if wanted else None
         return self.__dict__["_compiled_step"]
 
     def _forward_exploration(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
