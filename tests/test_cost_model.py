@@ -16,6 +16,8 @@ _spec = importlib.util.spec_from_file_location("cost_model", SCRIPT)
 cm = importlib.util.module_from_spec(_spec)
 sys.modules["cost_model"] = cm          # dataclasses look their module up by name
 _spec.loader.exec_module(cm)
+sys.path.insert(0, str(SCRIPT.parent))
+import cost_model_report as report  # noqa: E402  (its `import cost_model` finds the module above)
 
 BASE = cm.Setup()
 
@@ -31,9 +33,9 @@ def test_expert_bytes_per_learner_halve_when_ep_size_doubles():
 def test_memory_at_the_calibration_point_equals_the_measured_expert_bytes():
     # BENCHMARKS.md, "DeepSpeed learner group: ep_size 1 vs 2": expert-param bytes per learner.
     for ep, measured in ((1, 134_545_408), (2, 67_272_704)):
-        s = cm.Setup(**cm.BENCH_LEARNER, gpus=ep, ep_size=str(ep))
+        s = cm.Setup(**report.BENCH_LEARNER, gpus=ep, ep_size=str(ep))
         assert cm.memory(s)["expert_param_bytes"] == measured
-    rows = cm.calibrate()
+    rows = report.calibrate()
     exact = [r for r in rows if r["what"].startswith("expert-param bytes")]
     assert len(exact) == 2 and all(r["model"] == r["measured"] for r in exact)
 
@@ -42,7 +44,7 @@ def test_parameter_counts_match_the_real_trunk():
     from moe_rl.core.policy import MoEMLPTrunk
     from moe_rl.core.settings import MOE_DEFAULTS
     from moe_rl.core.sharding import is_expert_param
-    shape = cm.BENCH_LEARNER
+    shape = report.BENCH_LEARNER
     trunk = MoEMLPTrunk(4, dict(MOE_DEFAULTS, num_experts=shape["num_experts"], top_k=shape["top_k"],
                                 num_layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"]))
     named = dict(trunk.named_parameters())
