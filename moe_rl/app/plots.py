@@ -47,7 +47,7 @@ def line_plot_svg(series: dict[str, Sequence[tuple]], title: str, xlabel: str, y
            f'<text x="{width / 2}" y="{height - 8}" text-anchor="middle">{escape(xlabel)}</text>',
            f'<text x="14" y="{height / 2}" transform="rotate(-90 14 {height / 2})" text-anchor="middle">{escape(ylabel)}</text>']
     for v in sorted({p[0] for p in pts}):
-        out.append(f'<text x="{sx(v):.1f}" y="{height - B + 14}" text-anchor="middle">{v:g}</text>')
+        out.append(f'<text x="{sx(v):.1f}" y="{height - B + 14}" text-anchor="middle">{_xtick(v)}</text>')
     for v in yticks if yticks is not None else [y0 + (y1 - y0) * i / 4 for i in range(5)]:
         label = f"1e{v}" if yticks is not None else f"{v:.3g}"
         out.append(f'<text x="{L - 4}" y="{sy(v) + 4:.1f}" text-anchor="end">{label}</text>')
@@ -72,6 +72,13 @@ def _thin(values: Sequence, n: int = 8) -> list:
     values = list(values)
     step = max(1, -(-len(values) // n))
     return values[::step]
+
+
+def _xtick(v: float) -> str:
+    """Env steps read as 420k and 1.08M, not 1.07848e+06; iterations stay as they are."""
+    if abs(v) >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    return f"{v / 1e3:.3g}k" if abs(v) >= 1e4 else f"{v:g}"
 
 
 def _tick(v: float, lo: float, hi: float) -> str:
@@ -134,7 +141,7 @@ def xy_plot_svg(series: dict[str, Sequence[tuple]], title: str, xlabel: str = "i
     out += [f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#333"/>',
             f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#333"/>']
     for v in _thin(sorted({p[0] for p in pts})):
-        out.append(f'<text x="{sx(v):.1f}" y="{height - B + 12}" text-anchor="middle">{v:g}</text>')
+        out.append(f'<text x="{sx(v):.1f}" y="{height - B + 12}" text-anchor="middle">{_xtick(v)}</text>')
     for i in range(5):
         v = y0 + (y1 - y0) * i / 4
         out.append(f'<text x="{L - 4}" y="{sy(v) + 3:.1f}" text-anchor="end">{_tick(v, y0, y1)}</text>')
