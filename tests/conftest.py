@@ -33,12 +33,14 @@ def ray_local():
 def pytest_collection_modifyitems(config, items):
     """Files with slow tests first: the suite runs two files at a time (pytest-xdist, --dist loadfile),
     and a long file that starts last leaves one worker alone at the end. Stable within each group."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
     # The Ray-isolation test runs the head tests itself, beside its bystanders: a session that has it
-    # runs them there only (minutes of Ray heads saved), and it fails when one of them fails.
+    # runs them there only (minutes of Ray heads saved), and it fails when one of them fails. It is
+    # the suite's longest test (about 7 minutes): its file goes first, or one worker ends alone on it.
     isolation = [item for item in items
                  if item.name == "test_head_tests_leave_an_unrelated_head_and_a_training_run_alive"]
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    first = {item.path for item in isolation}
+    items.sort(key=lambda item: (item.path not in first, item.path not in slow_files))
     if isolation:
         nested = set(isolation[0].module.HEAD_TESTS)
         deselected = [item for item in items if item.nodeid.rsplit("/", 1)[-1] in nested]
