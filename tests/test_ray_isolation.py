@@ -82,7 +82,7 @@ def test_head_tests_leave_an_unrelated_head_and_a_training_run_alive(tmp_path):
         nested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                  *[os.path.join(TESTS, t) for t in HEAD_TESTS]],
                                 cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        # This test judges what the head tests do to others; their own checks fail in their own run.
+        # First what the head tests do to others; their own checks are judged at the end.
         counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed)", nested.stdout.splitlines()[-1])}
         assert sum(counts.values()) == len(HEAD_TESTS), nested.stdout[-3000:]
         print("the head tests:", nested.stdout.splitlines()[-1])
