@@ -121,7 +121,9 @@ def report(results: str, suite: str) -> str:
         lines.append(f"| single (one task per run) | {','.join(str(s) for s in sorted(singles))} | {m:.3f} ± {ci:.3f} "
                      "| | | | " + " | ".join(f"{v:.3f}" for v in per_task) + " | | | | |")
     if curves:
-        fig = os.path.join(HERE, "figures", f"minigrid_{suite.lower()}.svg")
+        # Results kept elsewhere (--results bench/results/minigrid_narrow) get a figure of their own.
+        extra = os.path.basename(os.path.normpath(results)).removeprefix("minigrid").lstrip("_")
+        fig = os.path.join(HERE, "figures", f"minigrid_{suite.lower()}{'_' + extra if extra else ''}.svg")
         os.makedirs(os.path.dirname(fig), exist_ok=True)
         with open(fig, "w") as f:
             f.write(xy_plot_svg(curves, f"MiniGrid {suite}: training return averaged over tasks and seeds", "env steps",
