@@ -23,8 +23,13 @@ os.environ[ray_processes.SUITE_MARKER] = SUITE_MARK
 def ray_local():
     """A real local Ray for one test module, stopped afterwards."""
     import ray
-    # address="local": a Ray of the test's own, never another head that ray.init() would find on the host
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+
+    from moe_rl.app.train import EMBEDDED_RAY_SYSTEM_CONFIG
+    # address="local": a Ray of the test's own, never another head that ray.init() would find on the
+    # host. The product's worker niceness (0, not Ray's 15): beside the other pytest worker's
+    # drivers, niced actors starve, and a test's time then measures the scheduler, not the code.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+             _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
     yield ray
     ray.shutdown()
 

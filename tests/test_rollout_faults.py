@@ -1,13 +1,12 @@
 """A rollout actor killed mid-iteration: the iteration completes with the others, the loss is
 counted, and the restarted actor gets the current weights before it samples."""
 import math
-import threading
+import os
 import time
 
 import gymnasium as gym
 import numpy as np
 import pytest
-import ray
 import torch
 from ray import tune
 
@@ -21,38 +20,41 @@ def runner_weights(algo, ids):
     return dict(zip(ids, states))
 
 
-class SlowCartPole(gym.Wrapper):
-    """CartPole at ~1 ms a step: sampling 4000 steps takes seconds, so a kill timed at 0.5 s lands
-    while the actors sample, whatever the machine."""
+class CrashingCartPole(gym.Wrapper):
+    """CartPole whose rollout actor 2 dies (the process exits, as on a segfault) at its first step
+    after the test drops a marker file. The death lands mid-sample by construction, on any machine
+    and any load, and the marker is consumed: the restarted actor samples normally."""
 
     def __init__(self, config):
         super().__init__(gym.make("CartPole-v1"))
+        self.marker = config["marker"] if config.worker_index == 2 else None
 
     def step(self, action):
-        time.sleep(0.001)
+        if self.marker and os.path.exists(self.marker):
+            os.remove(self.marker)
+            os._exit(1)
         return self.env.step(action)
 
 
 @pytest.mark.slow
-def test_killed_rollout_actor_is_survived_counted_and_replaced_with_current_weights(ray_local):
-    tune.register_env("SlowCartPole", SlowCartPole)
-    config = (MoEPPOConfig().environment("SlowCartPole")
+def test_killed_rollout_actor_is_survived_counted_and_replaced_with_current_weights(ray_local, tmp_path):
+    tune.register_env("CrashingCartPole", CrashingCartPole)
+    marker = tmp_path / "crash"
+    config = (MoEPPOConfig().environment("CrashingCartPole", env_config={"marker": str(marker)})
               .env_runners(num_env_runners=2, num_envs_per_env_runner=2, sample_timeout_s=120)
               .fault_tolerance(restart_failed_env_runners=True)
-              .training(train_batch_size_per_learner=4000, minibatch_size=500, num_epochs=1)
+              .training(train_batch_size_per_learner=2000, minibatch_size=500, num_epochs=1)
               .moe(num_experts=4, top_k=2, d_model=16, d_ff=16)
               .debugging(seed=0))
     algo = config.build_algo()
     try:
         algo.train()
-        victim = algo.env_runner_group._worker_manager._actors[2]
-        timer = threading.Timer(0.5, lambda: ray.kill(victim, no_restart=False))
+        marker.touch()
         t0 = time.time()
-        timer.start()
-        result = algo.train()        # sampling takes seconds: the kill lands while it runs
-        timer.join()
+        result = algo.train()        # actor 2 dies at its first step of this iteration's sampling
+        assert not marker.exists(), "the victim consumed the marker"
         faults = {k: v for k, v in result["moe_rl"].items() if k.startswith("faults/")}
-        assert result["env_runners"]["num_env_steps_sampled"] >= 4000, "the batch was filled by the survivor"
+        assert result["env_runners"]["num_env_steps_sampled"] >= 2000, "the batch was filled by the survivor"
         assert faults["faults/env_runner_failures"] == 1 and faults["faults/lost_env_steps"] > 0, faults
         assert time.time() - t0 < 120
         # RLlib restarts the actor before the next iteration; moe-rl syncs it from its healthy peer.
