@@ -20,12 +20,16 @@ def moe_rl(*args, timeout=600, cwd=None):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
+    """One short run that the tests below read: its output is a file:// storage URI (the run is
+    staged locally and mirrored through pyarrow.fs, pruned checkpoints disappear there too), with
+    W&B in offline mode (no network). The mirror is a plain directory: evaluate and report read it."""
     out = tmp_path_factory.mktemp("runs") / "quick"
-    p = moe_rl("train", "--iterations", "3", "--output", str(out), "--seed", "1",
+    p = moe_rl("train", "--iterations", "3", "--output", out.as_uri(), "--seed", "1",
                "--set", "training.train_batch_size_per_learner=500", "--set", "training.minibatch_size=125",
-               "--set", "checkpoint_every=2", "--set", "stop_return=null")
+               "--set", "checkpoint_every=1", "--set", "checkpoint_keep=2", "--set", "stop_return=null",
+               "--set", "wandb.mode=offline", "--set", "wandb.project=moe-rl-test")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "iter    3" in p.stdout
+    assert "iter    3" in p.stdout and f"run directory {out.as_uri()}" in p.stdout
     return out
 
 
@@ -38,10 +42,20 @@ def test_run_directory_is_complete(run_dir):
     assert any(c.startswith("moe/layer1/") for c in table.column_names)
     assert set(table.column("moe/health").to_pylist()) <= {"healthy", "warning", "danger"}
     assert table.column("env_steps_total").to_pylist() == sorted(table.column("env_steps_total").to_pylist())
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["iter_000002", "iter_000003"]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["iter_000002", "iter_000003"]   # iter 1 pruned
     assert any(n.startswith("events.out.tfevents") for n in os.listdir(run_dir / "tb"))
     config_text = (run_dir / "config.yaml").read_text()
     assert "num_experts: 8" in config_text and "train_batch_size_per_learner: 500" in config_text
+    from moe_rl.app.checkpoint import verify_checkpoint
+    verify_checkpoint(str(run_dir / "checkpoints" / "iter_000003"))   # the storage copy is byte-exact
+
+
+def test_rows_go_to_weights_and_biases(run_dir):
+    """wandb receives every row; its run files live in RUN_DIR/wandb."""
+    (run,) = [d for d in os.listdir(run_dir / "wandb") if d.startswith("offline-run-")]
+    (log,) = [f for f in os.listdir(run_dir / "wandb" / run) if f.endswith(".wandb")]
+    data = (run_dir / "wandb" / run / log).read_bytes()
+    assert b"episode_return_mean" in data and b"moe/cv" in data and b"stability/grad_norm/total" in data
 
 
 def test_drift_study_refuses_a_run_that_is_not_a_token_policy(run_dir):
@@ -73,11 +87,21 @@ def test_evaluate_loads_the_last_checkpoint(run_dir, relative):
     (["train", "--output", "nosuchfs://bucket/run"], "output: cannot use the storage URI"),
     (["train", "--set", "wandb.mode=sometimes"], "wandb.mode: must be online, offline or disabled"),
 ])
-def test_bad_input_exits_2_with_one_line(args, needle):
-    p = moe_rl(*args, timeout=120)
-    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
-    last = p.stderr.strip().splitlines()[-1]
-    assert needle in last, p.stderr
+def test_bad_input_exits_2_with_one_line(args, needle, capsys):
+    """In this process (the CLI's own main(), without a Python start and the imports per case):
+    every bad input is refused before anything starts. test_unwritable_output_is_a_clear_error
+    checks the exit code of a real `python -m moe_rl.app.cli` process."""
+    import ray
+
+    from moe_rl.app.cli import main
+    try:
+        code = main(args)
+    except SystemExit as e:   # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err[-2000:])
+    assert needle in err.strip().splitlines()[-1], err
+    assert not ray.is_initialized(), "a refused input started Ray"
 
 
 def test_report_renders_the_run(run_dir):
@@ -85,36 +109,6 @@ def test_report_renders_the_run(run_dir):
     os.unlink(run_dir / "report.html")
     p = moe_rl("report", str(run_dir), timeout=120)
     assert p.returncode == 0 and (run_dir / "report.html").stat().st_size > 10_000, p.stderr[-2000:]
-
-
-def test_output_may_be_a_pyarrow_filesystem_uri(tmp_path):
-    """--output file:///...: the run is staged locally and mirrored through pyarrow.fs; pruned
-    checkpoints disappear from the storage path too."""
-    remote = tmp_path / "bucket" / "run"
-    p = moe_rl("train", "--iterations", "3", "--output", remote.as_uri(), "--set", "checkpoint_every=1",
-               "--set", "checkpoint_keep=2", "--set", "training.train_batch_size_per_learner=300",
-               "--set", "training.minibatch_size=100", "--set", "stop_return=null")
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert f"run directory {remote.as_uri()}" in p.stdout
-    assert pq.read_table(remote / "metrics.parquet").num_rows == 3
-    assert sorted(os.listdir(remote / "checkpoints")) == ["iter_000002", "iter_000003"]
-    assert (remote / "checkpoints" / "iter_000003" / "manifest.json").is_file()
-    assert (remote / "report.html").is_file() and (remote / "config.yaml").is_file()
-    from moe_rl.app.checkpoint import verify_checkpoint
-    verify_checkpoint(str(remote / "checkpoints" / "iter_000003"))   # the copy is byte-exact
-
-
-def test_rows_go_to_weights_and_biases(tmp_path):
-    """wandb (offline mode: no network) receives every row; its run files live in RUN_DIR/wandb."""
-    out = tmp_path / "wb"
-    p = moe_rl("train", "--iterations", "2", "--output", str(out), "--set", "wandb.mode=offline",
-               "--set", "wandb.project=moe-rl-test", "--set", "training.train_batch_size_per_learner=300",
-               "--set", "training.minibatch_size=100", "--set", "stop_return=null")
-    assert p.returncode == 0, p.stderr[-3000:]
-    (run,) = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run-")]
-    (log,) = [f for f in os.listdir(out / "wandb" / run) if f.endswith(".wandb")]
-    data = (out / "wandb" / run / log).read_bytes()
-    assert b"episode_return_mean" in data and b"moe/cv" in data and b"stability/grad_norm/total" in data
 
 
 def test_unwritable_output_is_a_clear_error(tmp_path):
