@@ -40,7 +40,8 @@ def pytest_collection_modifyitems(config, items):
     and a long file that starts last leaves one worker alone at the end. Stable within each group."""
     # The Ray-isolation test runs the head tests itself, beside its bystanders: a session that has it
     # runs them there only (minutes of Ray heads saved), and it fails when one of them fails. It is
-    # the suite's longest test (about 7 minutes): its file goes first, or one worker ends alone on it.
+    # the suite's longest test (about 4 minutes here, 204–256 s): its file goes first (setup.cfg keeps
+    # xdist from reordering), so no worker ends alone on it.
     isolation = [item for item in items
                  if item.name == "test_head_tests_leave_an_unrelated_head_and_a_training_run_alive"]
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
