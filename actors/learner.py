@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-from actors.deepspeed_moe import shard_moe_layers
-from actors.startup import StartupReport, skip_unused_shm_comm_op
+from moe_rl.actors.deepspeed_moe import shard_moe_layers
+from moe_rl.actors.startup import StartupReport, skip_unused_shm_comm_op
 from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
 from moe_rl.core.stability import StabilityToolkit, validate_stability

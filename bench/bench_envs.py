@@ -14,7 +14,7 @@ import time
 import gymnasium as gym
 import numpy as np
 
-from envs import MultiTaskEnv, TokenSequenceEnv
+from moe_rl.envs import MultiTaskEnv, TokenSequenceEnv
 
 
 def steps_per_second(env, steps, seed=0):

@@ -37,7 +37,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import bench_stability as stab  # noqa: E402
 import ray  # noqa: E402
 
-import envs  # noqa: E402,F401  registers the moe_rl/ envs
+import moe_rl.envs  # noqa: E402,F401  registers the moe_rl/ envs
 from moe_rl.algo.results import metrics_row  # noqa: E402
 from moe_rl.app.run_config import load_run_config, validate_run_config  # noqa: E402
 

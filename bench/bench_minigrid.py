@@ -49,7 +49,7 @@ def build_config(arm: str, suite: str, seed: int, tasks=None, overrides=()):
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
     from ray.tune.registry import register_env
 
-    from envs.minigrid_mt import MultiTaskMiniGrid
+    from moe_rl.envs.minigrid_mt import MultiTaskMiniGrid
     from moe_rl.app.run_config import apply_overrides, load_run_config, validate_run_config
     from moe_rl.rllib.dense_peer import DensePeerModule
     from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
@@ -80,7 +80,7 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
     import ray
     import torch
 
-    import envs  # noqa: F401
+    import moe_rl.envs  # noqa: F401
     from moe_rl.algo.results import metrics_row
     from moe_rl.app.evaluate import evaluate_module_tasks
 
@@ -178,8 +178,8 @@ def run_missing(args) -> None:
     """Seed-major, arms interleaved: a change in the machine's speed hits every arm alike."""
     import gymnasium as gym
 
-    import envs  # noqa: F401
-    from envs.minigrid_mt import short_name
+    import moe_rl.envs  # noqa: F401
+    from moe_rl.envs.minigrid_mt import short_name
     tasks = gym.make(f"moe_rl/MiniGrid-{args.suite}-v0").unwrapped.task_ids
     variants = {}
     for v in args.variant:

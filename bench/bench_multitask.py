@@ -20,7 +20,7 @@ from ray.rllib.algorithms.ppo import PPOConfig  # noqa: E402
 from ray.rllib.core.columns import Columns  # noqa: E402
 from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig  # noqa: E402
 
-import envs  # noqa: E402,F401
+import moe_rl.envs  # noqa: E402,F401
 from moe_rl import MoEPPOConfig  # noqa: E402
 from moe_rl.rllib.rl_module import MOE_TOPK  # noqa: E402
 
@@ -62,7 +62,7 @@ def main():
     # Stock PPO's EnvRunners never import moe_rl: register the env with Ray's registry, which
     # ships the creator to them (MoEPPOConfig registers the moe_rl/ ids itself).
     from ray.tune.registry import register_env
-    register_env("moe_rl/MultiTask-v0", lambda c: __import__("envs").MultiTaskEnv(**c))
+    register_env("moe_rl/MultiTask-v0", lambda c: __import__("moe_rl.envs", fromlist=["MultiTaskEnv"]).MultiTaskEnv(**c))
     rows = []
     for name in ("stock_ppo", "moe_ppo"):
         if name == "moe_ppo":

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import envs  # noqa: E402,F401  (registers the moe_rl/ env ids)
+import moe_rl.envs  # noqa: E402,F401  (registers the moe_rl/ env ids)
 from moe_rl.app.run_config import load_run_config  # noqa: E402
 from moe_rl.core.drift import drift_metrics, routing_agreement  # noqa: E402
 from moe_rl.core.settings import MOE_DEFAULTS  # noqa: E402

@@ -48,7 +48,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-import envs  # noqa: E402,F401  registers the moe_rl/ envs
+import moe_rl.envs  # noqa: E402,F401  registers the moe_rl/ envs
 from moe_rl import MoEPPOConfig  # noqa: E402
 from moe_rl.algo.results import metrics_row  # noqa: E402
 

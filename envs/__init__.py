@@ -2,20 +2,20 @@
 Importing registers them."""
 import gymnasium
 
-from envs.minigrid_mt import MultiTaskMiniGrid
-from envs.multitask import MultiTaskEnv
-from envs.token_sequence import TokenSequenceEnv
+from moe_rl.envs.minigrid_mt import MultiTaskMiniGrid
+from moe_rl.envs.multitask import MultiTaskEnv
+from moe_rl.envs.token_sequence import TokenSequenceEnv
 
 __all__ = ["MultiTaskEnv", "MultiTaskMiniGrid", "TokenSequenceEnv"]
 
 _ENTRY_POINTS = {
-    "moe_rl/MultiTask-v0": ("envs.multitask:MultiTaskEnv", {}),
-    "moe_rl/TokenSequence-v0": ("envs.token_sequence:TokenSequenceEnv", {}),
+    "moe_rl/MultiTask-v0": ("moe_rl.envs.multitask:MultiTaskEnv", {}),
+    "moe_rl/TokenSequence-v0": ("moe_rl.envs.token_sequence:TokenSequenceEnv", {}),
     # Multi-task MiniGrid (MOORE's suites; MiniGrid-MT-v0 takes env_config {tasks: [...]}).
-    "moe_rl/MiniGrid-MT-v0": ("envs.minigrid_mt:MultiTaskMiniGrid", {}),
-    "moe_rl/MiniGrid-MT3-v0": ("envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT3"}),
-    "moe_rl/MiniGrid-MT5-v0": ("envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT5"}),
-    "moe_rl/MiniGrid-MT7-v0": ("envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT7"}),
+    "moe_rl/MiniGrid-MT-v0": ("moe_rl.envs.minigrid_mt:MultiTaskMiniGrid", {}),
+    "moe_rl/MiniGrid-MT3-v0": ("moe_rl.envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT3"}),
+    "moe_rl/MiniGrid-MT5-v0": ("moe_rl.envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT5"}),
+    "moe_rl/MiniGrid-MT7-v0": ("moe_rl.envs.minigrid_mt:MultiTaskMiniGrid", {"tasks": "MT7"}),
 }
 
 # Guarded: re-importing (importlib.reload, Ray workers that import twice) must not warn or fail.

@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from envs.multitask import check_int_arg
+from moe_rl.envs.multitask import check_int_arg
 
 TASKS = {
     "copy": lambda prompt: prompt,

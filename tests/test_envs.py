@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-import envs
-from envs import MultiTaskEnv, TokenSequenceEnv
+from moe_rl import envs
+from moe_rl.envs import MultiTaskEnv, TokenSequenceEnv
 
 pytestmark = pytest.mark.pure
 
@@ -91,7 +91,7 @@ def test_reimport_does_not_reregister():
 
 
 def test_package_imports_only_gymnasium_and_numpy():
-    code = "import sys, envs; print(sorted({'torch', 'ray'} & set(sys.modules)))"
+    code = "import sys, moe_rl.envs; print(sorted({'torch', 'ray'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

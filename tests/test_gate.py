@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 
-from actors.consistency import probe_flip_rate
+from moe_rl.actors.consistency import probe_flip_rate
 from moe_rl import MoEPPOConfig
 from moe_rl.algo import faults
 from moe_rl.algo.sync_gate import GateStop
@@ -357,7 +357,7 @@ def test_replica_divergence_is_resynced_under_expert_parallelism(ray_local):
 
 @pytest.mark.pure
 def test_k3_by_expert_shows_the_drifting_expert():
-    from actors.consistency import k3_by_expert
+    from moe_rl.actors.consistency import k3_by_expert
     topk = np.array([[[0, 1]], [[0, 2]], [[3, 1]], [[3, 2]]])          # 4 tokens, 1 layer, top-2
     rollout = torch.zeros(4)
     trainer = torch.tensor([0.0, 0.0, math.log(2.0), math.log(2.0)])  # only tokens through expert 3 drift
@@ -369,7 +369,7 @@ def test_k3_by_expert_shows_the_drifting_expert():
 # --- the edges (issue 33): each test failed on e14abeb ----------------------------------------------
 
 def _actor(**kw):
-    from actors.consistency import ConsistencyActor
+    from moe_rl.actors.consistency import ConsistencyActor
     return ConsistencyActor(validate_consistency({"relative_warmup": 3, "relative_z": 1.0, **kw}), {"p": True})
 
 

@@ -1,7 +1,8 @@
 """The package layers, read from the code: every import points down, and the core runs without
 Ray or DeepSpeed.
 
-    moe_rl.core  <-  moe_rl.rllib  <-  actors  <-  moe_rl.algo  <-  moe_rl.app        envs: alone
+    moe_rl.core  <-  moe_rl.rllib  <-  moe_rl.actors  <-  moe_rl.algo  <-  moe_rl.app    moe_rl.envs: alone
+(the folders actors/ and envs/ install as moe_rl.actors and moe_rl.envs)
 """
 import ast
 import pathlib
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = ["moe_rl.core", "moe_rl.rllib", "actors", "moe_rl.algo", "moe_rl.app"]
+LAYERS = ["moe_rl.core", "moe_rl.rllib", "moe_rl.actors", "moe_rl.algo", "moe_rl.app"]
 pytestmark = pytest.mark.pure
 
 
@@ -41,7 +42,11 @@ def package_files():
 
 
 def module_name(path: pathlib.Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    """The import name: the folders actors/ and envs/ install as moe_rl.actors and moe_rl.envs."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] in ("actors", "envs"):
+        parts = ("moe_rl",) + parts
+    return ".".join(parts).removesuffix(".__init__")
 
 
 def test_every_import_points_down():
@@ -51,8 +56,8 @@ def test_every_import_points_down():
         mine = layer_of(me)
         for target, line, _ in imports(path):
             theirs = layer_of(target)
-            if me.startswith("envs"):
-                if target.startswith(("moe_rl", "actors", "ray")):
+            if me.startswith("moe_rl.envs"):
+                if target.startswith("ray") or (target.startswith("moe_rl") and not target.startswith("moe_rl.envs")):
                     wrong.append(f"{me}:{line} imports {target} (envs stand alone)")
             elif mine is not None and theirs is not None and theirs > mine:
                 wrong.append(f"{me}:{line} ({LAYERS[mine]}) imports {target} ({LAYERS[theirs]})")

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from helpers import ENV, adam_moments, batch, ds_config, shard_loss
 from ray.rllib.core.columns import Columns
 
-from actors.learner_group import KEPT
+from moe_rl.actors.learner_group import KEPT
 from moe_rl.core.settings import ConfigError
 from moe_rl.core.sharding import ShardError, assemble_shards, stack_experts, to_global_name, unstack_experts
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
@@ -102,7 +102,7 @@ def test_deepspeed_learners_replay_the_token_trunks_capacity_drops(ray_local):
     """The token trunk's capacity groups are its sequences, so a single-process learner needs no
     replay for them; DeepSpeed's gate keeps a capacity of its own (trainer_capacity_factor), so
     the DeepSpeed learners replay the rollout's drops."""
-    from envs.token_sequence import TokenSequenceEnv
+    from moe_rl.envs.token_sequence import TokenSequenceEnv
     env = TokenSequenceEnv(seq_len=8, prompt_len=4, vocab_size=4)
     config = ds_config(capacity_factor=1.0, num_heads=2, max_seq_len=16)
     local = MoEPolicyModule(observation_space=env.observation_space, action_space=env.action_space,

@@ -12,8 +12,8 @@ import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
 
-import envs  # noqa: F401
-from envs.minigrid_mt import SUITES, MultiTaskMiniGrid
+import moe_rl.envs  # noqa: F401
+from moe_rl.envs.minigrid_mt import SUITES, MultiTaskMiniGrid
 from moe_rl.app.run_config import load_run_config, validate_run_config
 from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.errors import ConfigError

@@ -132,7 +132,7 @@ class RunsCode:
 def test_learner_state_round_trips_as_plain_data_and_a_code_payload_is_refused(tmp_path):
     from collections import deque
 
-    from actors.learner import load_learner_state, plain_state, save_learner_state
+    from moe_rl.actors.learner import load_learner_state, plain_state, save_learner_state
     state = {"weights_seq_no": 3, "should_module_be_updated": None, "f": 0.5, "s": "ema",
              "metrics_logger": {"stats": {"a--b": {"values": deque([1.0, 2.0]), "window": 1, "is_root": False}}},
              "tuple": (1, "x", torch.tensor([1.5])), "array": np.arange(6, dtype=np.float64).reshape(2, 3),

@@ -11,7 +11,7 @@ import pytest
 import ray
 from helpers import free_port
 
-from actors.startup import StartupReport, extension_builds, skip_unused_shm_comm_op
+from moe_rl.actors.startup import StartupReport, extension_builds, skip_unused_shm_comm_op
 from moe_rl.algo.resources import Demand, ResourceWait, WaitWatch, startup_state
 
 
@@ -120,7 +120,7 @@ def test_extension_builds_reads_torchs_build_locks(tmp_path, monkeypatch):
 
 JOIN = """
 import os, sys
-from actors.startup import skip_unused_shm_comm_op
+from moe_rl.actors.startup import skip_unused_shm_comm_op
 skip_unused_shm_comm_op()
 import deepspeed
 deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False, rank=0, world_size=1)

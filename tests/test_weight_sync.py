@@ -9,7 +9,7 @@ import ray
 import torch
 from helpers import ds_config
 
-from actors.weight_transport import receive, send
+from moe_rl.actors.weight_transport import receive, send
 from moe_rl.algo import faults
 from moe_rl.core.buckets import bucket_bytes_of, pack, plan_buckets, plan_id, unpack
 from moe_rl.core.digests import differing

@@ -31,8 +31,8 @@ from ray.rllib.utils.metrics import (
     TIMERS,
 )
 
-import envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that loads this config
-from actors.learner_group import DeepSpeedLearnerGroup
+import moe_rl.envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that loads this config
+from moe_rl.actors.learner_group import DeepSpeedLearnerGroup
 from moe_rl.algo.config_builders import MoESections
 from moe_rl.algo.monitoring import MoEMonitoring
 from moe_rl.algo.sync_gate import GateStop, SyncGate

@@ -26,7 +26,7 @@ from ray.autoscaler.v2.utils import is_autoscaler_v2
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
 from ray.rllib.algorithms.utils import _get_env_runner_bundles, _get_main_process_bundle
 
-from actors.startup import read_steps
+from moe_rl.actors.startup import read_steps
 from moe_rl.rllib.learner_group import learner_bundles
 
 Bundle = Dict[str, float]

@@ -24,7 +24,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
-from actors.consistency import ConsistencyActor
+from moe_rl.actors.consistency import ConsistencyActor
 from moe_rl.core.digests import Sample, differing, max_abs_diff, sample_of
 from moe_rl.core.drift import format_breach
 from moe_rl.rllib.rl_module import MOE_TOPK

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import ray
 
-from actors.weight_transport import join, leave, receive, send, source_manifest
+from moe_rl.actors.weight_transport import join, leave, receive, send, source_manifest
 from moe_rl.core.buckets import Entry
 
 logger = logging.getLogger("moe_rl")

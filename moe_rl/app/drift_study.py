@@ -17,7 +17,7 @@ import numpy as np
 import ray
 from ray.rllib.core import DEFAULT_MODULE_ID
 
-import envs  # noqa: F401  registers moe_rl/ envs
+import moe_rl.envs  # noqa: F401  registers moe_rl/ envs
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.algo.results import write_table
 from moe_rl.app.checkpoint import load_policy

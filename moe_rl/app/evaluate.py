@@ -11,7 +11,7 @@ import torch
 import yaml
 from ray.rllib.core.columns import Columns
 
-import envs  # noqa: F401  registers moe_rl/ envs
+import moe_rl.envs  # noqa: F401  registers moe_rl/ envs
 from moe_rl.algo.multi_agent import import_path, validate_multi_agent
 from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy
 from moe_rl.core.errors import ConfigError

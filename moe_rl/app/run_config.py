@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional
 import gymnasium as gym
 import yaml
 
-import envs  # noqa: F401  registers the moe_rl/ namespace
+import moe_rl.envs  # noqa: F401  registers the moe_rl/ namespace
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.algo.multi_agent import apply_multi_agent, import_path, validate_multi_agent
 from moe_rl.app.wandb_logger import validate_wandb
