@@ -10,10 +10,10 @@ gradient of the mean loss over all learners' tokens.
 from __future__ import annotations
 
 import collections
+import datetime
 import os
 import pickle
 import resource
-import socket
 from typing import Any, Dict, Optional
 
 import deepspeed
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
 from moe_rl.actors.deepspeed_moe import shard_moe_layers
+from moe_rl.actors.rendezvous import bind_collectives_to, listening_socket, tcp_store
 from moe_rl.actors.startup import StartupReport, skip_unused_shm_comm_op
 from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
@@ -172,10 +173,7 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
                    for n, p in self.plain_module(mid).named_parameters() if is_expert_param(n))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1" if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0" else "", 0))
-        return s.getsockname()[1]
+PROCESS_GROUP_TIMEOUT_S = 1800.0   # torch's default for gloo
 
 
 class LearnerActor:
@@ -185,10 +183,14 @@ class LearnerActor:
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(num_threads)
         self.learner: Optional[DeepSpeedPPOLearner] = None
+        self._listen = None   # rank 0: the process group store's socket, bound before it is announced
 
     def address(self):
+        """Rank 0's rendezvous: the node's own IP (loopback under the embedded Ray) and a port it
+        already listens on."""
         ip = ray.util.get_node_ip_address()
-        return ip, free_port()
+        self._listen = listening_socket(ip)
+        return ip, self._listen.getsockname()[1]
 
     def build(self, config, module_spec, master_addr: str, master_port: int) -> None:
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
@@ -198,6 +200,13 @@ class LearnerActor:
         with StartupReport(job, f"learner {self.rank}") as report:
             skip_unused_shm_comm_op()
             report.step(f"joining the {backend} process group ({self.world_size} learners)")
+            # Our own store on a bound socket and pairs on this node's interface: torch's env://
+            # rendezvous would listen on every interface. DeepSpeed then finds the group made.
+            bind_collectives_to(ray.util.get_node_ip_address())
+            store = tcp_store(master_addr, master_port, self.world_size, self.rank, PROCESS_GROUP_TIMEOUT_S,
+                              listen=self._listen)
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
             deepspeed.init_distributed(backend, auto_mpi_discovery=False, verbose=False,
                                        rank=self.rank, world_size=self.world_size)
             if config.seed is not None:

@@ -22,8 +22,9 @@ from typing import Dict, Tuple
 
 import deepspeed.ops
 import torch
-from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get, _internal_kv_list, _internal_kv_put
 from torch.utils.cpp_extension import get_default_build_root
+
+from moe_rl.rllib.ray_private import kv_del, kv_get, kv_list, kv_put
 
 PREFIX = "moe_rl/startup/"
 SHM_COMM_OP = "deepspeed_shm_comm"
@@ -84,7 +85,7 @@ class StartupReport:
 
     def _put(self, doing: str, since: float) -> None:
         try:
-            _internal_kv_put(self.key, json.dumps({"doing": doing, "since": since}), overwrite=True)
+            kv_put(self.key, json.dumps({"doing": doing, "since": since}))
         except Exception:   # a progress note is never worth failing a learner's start
             pass
 
@@ -120,7 +121,7 @@ class StartupReport:
     def __exit__(self, *exc) -> bool:
         self._done.set()
         try:
-            _internal_kv_del(self.key)
+            kv_del(self.key)
         except Exception:
             pass
         return False
@@ -130,8 +131,8 @@ def read_steps(job_id: str) -> Dict[str, Tuple[str, float]]:
     """{who: (what it is doing, for how many seconds)} of this job's starting learners."""
     out = {}
     try:
-        for key in _internal_kv_list(f"{PREFIX}{job_id}/"):
-            raw = _internal_kv_get(key)
+        for key in kv_list(f"{PREFIX}{job_id}/"):
+            raw = kv_get(key)
             if raw:
                 note = json.loads(raw)
                 out[key.decode()[len(PREFIX) + len(job_id) + 1:]] = (note["doing"], time.time() - note["since"])

@@ -20,14 +20,15 @@ import time
 from typing import Any, Dict, List, Sequence
 
 import ray
-import ray.experimental.internal_kv as internal_kv
 import ray.util.collective as col
 import torch
 from ray.util.collective.backend_registry import _global_registry, register_collective_backend
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
+from moe_rl.actors.rendezvous import listening_socket, tcp_store
 from moe_rl.core.buckets import Entry, bucket_bytes_of, pack, plan_buckets, plan_id, unpack
 from moe_rl.core.digests import DTYPES
+from moe_rl.rllib.ray_private import kv_del, kv_get, kv_put
 from moe_rl.rllib.runner import runner_modules, synced_state
 
 GLOO_BACKEND = "MOE_RL_GLOO"
@@ -43,26 +44,27 @@ class GlooSyncGroup(BaseGroup):
         super().__init__(world_size, rank, group_name)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         key = f"moe_rl_sync_store_{group_name}"
-        addr = ray.util.get_node_ip_address()
+        addr = ray.util.get_node_ip_address()   # loopback under the embedded Ray
         if rank == 0:
-            self._store = torch.distributed.TCPStore(addr, 0, world_size, True, timeout=timeout,
-                                                     wait_for_workers=False)   # they find it below
-            internal_kv._internal_kv_put(key, f"{addr}:{self._store.port}")
+            listen = listening_socket(addr)
+            host, port = addr, listen.getsockname()[1]
+            self._store = tcp_store(host, port, world_size, 0, self.timeout_s, listen=listen)
+            kv_put(key, f"{addr}:{port}")
         else:
             deadline = time.monotonic() + self.timeout_s
-            while (meta := internal_kv._internal_kv_get(key)) is None:
+            while (meta := kv_get(key)) is None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"weight sync group {group_name!r}: no rendezvous from rank 0 "
                                        f"in {self.timeout_s:.0f}s")
                 time.sleep(0.02)
             host, port = meta.decode().rsplit(":", 1)
-            self._store = torch.distributed.TCPStore(host, int(port), world_size, False, timeout=timeout)
+            self._store = tcp_store(host, int(port), world_size, rank, self.timeout_s)
         opts = torch.distributed.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=addr)]
         self._pg = torch.distributed.ProcessGroupGloo(self._store, rank, world_size, opts)
         if rank == 0:   # every rank has connected (the constructor is a rendezvous)
-            internal_kv._internal_kv_del(key)
+            kv_del(key)
 
     @classmethod
     def backend(cls):

@@ -49,8 +49,8 @@ def build_config(arm: str, suite: str, seed: int, tasks=None, overrides=()):
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
     from ray.tune.registry import register_env
 
-    from moe_rl.envs.minigrid_mt import MultiTaskMiniGrid
     from moe_rl.app.run_config import apply_overrides, load_run_config, validate_run_config
+    from moe_rl.envs.minigrid_mt import MultiTaskMiniGrid
     from moe_rl.rllib.dense_peer import DensePeerModule
     from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
 

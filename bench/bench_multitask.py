@@ -7,6 +7,7 @@ Reports greedy per-task returns (max = episode_length) and, for the MoE policy, 
 of assignments per expert (does routing specialise by task?).
 """
 import argparse
+import importlib
 import json
 import os
 
@@ -62,7 +63,7 @@ def main():
     # Stock PPO's EnvRunners never import moe_rl: register the env with Ray's registry, which
     # ships the creator to them (MoEPPOConfig registers the moe_rl/ ids itself).
     from ray.tune.registry import register_env
-    register_env("moe_rl/MultiTask-v0", lambda c: __import__("moe_rl.envs", fromlist=["MultiTaskEnv"]).MultiTaskEnv(**c))
+    register_env("moe_rl/MultiTask-v0", lambda c: importlib.import_module("moe_rl.envs").MultiTaskEnv(**c))
     rows = []
     for name in ("stock_ppo", "moe_ppo"):
         if name == "moe_ppo":

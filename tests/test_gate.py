@@ -8,8 +8,8 @@ import pytest
 import ray
 import torch
 
-from moe_rl.actors.consistency import probe_flip_rate
 from moe_rl import MoEPPOConfig
+from moe_rl.actors.consistency import probe_flip_rate
 from moe_rl.algo import faults
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.core.digests import differing, in_sample, sample_of, state_digests, tensor_digest

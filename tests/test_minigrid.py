@@ -13,12 +13,12 @@ import torch
 from gymnasium.utils.env_checker import check_env
 
 import moe_rl.envs  # noqa: F401
-from moe_rl.envs.minigrid_mt import SUITES, MultiTaskMiniGrid
 from moe_rl.app.run_config import load_run_config, validate_run_config
 from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.policy import MoEMLPTrunk
 from moe_rl.core.settings import MOE_DEFAULTS
+from moe_rl.envs.minigrid_mt import SUITES, MultiTaskMiniGrid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,6 @@ group with), so what is printed is exactly what is asked for.
 from __future__ import annotations
 
 import _thread
-import json
 import math
 import signal
 import threading
@@ -21,13 +20,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import ray
-from ray._private import ray_constants
 from ray.autoscaler.v2.utils import is_autoscaler_v2
-from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_initialized
-from ray.rllib.algorithms.utils import _get_env_runner_bundles, _get_main_process_bundle
 
 from moe_rl.actors.startup import read_steps
 from moe_rl.rllib.learner_group import learner_bundles
+from moe_rl.rllib.ray_private import autoscaler_status, env_runner_bundles, job_actors, main_process_bundle
 
 Bundle = Dict[str, float]
 STATUS_WAIT_S = 15
@@ -56,8 +53,8 @@ def run_demand(config, in_tune: bool = False) -> Demand:
     local learner trains) is not a Ray task under `moe-rl train` or `ray job submit`, so it asks for
     nothing; a Tune trial reserves the main process's bundle for it. The consistency actor asks
     for nothing (num_cpus=0)."""
-    main = {k: float(v) for k, v in _get_main_process_bundle(config).items() if v} if in_tune else {}
-    runners = _get_env_runner_bundles(config)
+    main = {k: float(v) for k, v in main_process_bundle(config).items() if v} if in_tune else {}
+    runners = env_runner_bundles(config)
     learners = learner_bundles(config)
     d = Demand([("driver", 1, main)])
     if runners:
@@ -80,15 +77,13 @@ def autoscaler_attached() -> bool:
     try:
         if is_autoscaler_v2():
             return True
-        if not _internal_kv_initialized():
-            return False
-        raw = None
+        status = None
         for _ in range(STATUS_WAIT_S):   # a head that just started writes its first status within seconds
-            raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
-            if raw:
+            status = autoscaler_status()
+            if status:
                 break
             time.sleep(1)
-        report = (json.loads(raw).get("autoscaler_report") or {}) if raw else {}
+        report = (status or {}).get("autoscaler_report") or {}
         types = (report.get("node_type_mapping") or {}).values()
         return bool(report.get("pending_launches") or report.get("pending_nodes")
                     or (report.get("node_availability_summary") or {}).get("node_availabilities")
@@ -172,7 +167,7 @@ def startup_state(job_id: str) -> Startup:
                     need[k] = need.get(k, 0.0) + float(v)
             state.unplaced.append(f"a placement group ({fmt_bundle(need)})")
     waiting: Dict[str, int] = {}
-    for info in ray._private.state.actors(job_id=ray.JobID.from_hex(job_id)).values():
+    for info in job_actors(job_id):
         if info["State"] not in PENDING_ACTOR_STATES:
             continue
         name = info["ActorClassName"]

@@ -22,12 +22,6 @@ NOISE: Dict[str, List[str]] = {
     "ray.rllib.algorithms.algorithm_config": [r"You are running \w+ on the new API stack!"],
     # RLlib's RLModule.__init__ builds the deprecated RLModuleConfig itself (we pass keywords)
     "ray._common.deprecation": [r"DeprecationWarning: `RLModule\(config=\[RLModuleConfig object\]\)`"],
-    # Ray's token authentication, on by default for a local cluster
-    "ray._private.authentication.authentication_token_setup": [
-        r"Token authentication is enabled for this Ray cluster\.",
-        r"Generated new authentication token and saved to "],
-    # Ray starting the embedded cluster: moe-rl prints its own phase lines for that
-    "ray._private.worker": [r"Started a local Ray instance\.", r"Connecting to existing Ray cluster at address"],
     # Tune's system monitor on a CPU-only machine; Trainable's slow-setup hint (about Tune's actor reuse)
     "ray.tune.utils.util": [r"Install gputil for GPU system monitoring\."],
     "ray.tune.trainable.trainable": [r"Trainable\.setup took [\d.]+ seconds\."],
@@ -73,6 +67,13 @@ def quiet() -> None:
         if name not in _installed:
             _installed[name] = NamedNoise(patterns)
             logging.getLogger(name).addFilter(_installed[name])
+
+
+def also_drop(table: Dict[str, List[str]]) -> None:
+    """More named loggers' notices (moe_rl.rllib.ray_private names Ray's private ones), if quiet."""
+    if is_quiet():
+        NOISE.update({k: v for k, v in table.items() if k not in NOISE})
+        quiet()
 
 
 def is_quiet() -> bool:

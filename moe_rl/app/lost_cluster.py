@@ -15,13 +15,9 @@ from typing import Optional
 import ray
 
 from moe_rl.app.checkpoint_integrity import latest_good_checkpoint
+from moe_rl.rllib.ray_private import embedded_head_node
 
 RAY_DAEMONS = ("raylet", "gcs_server")
-
-
-def _embedded_node():
-    node = getattr(ray._private.worker, "_global_node", None)
-    return node if node is not None and node.is_head() else None
 
 
 def dead_daemons(node) -> Optional[str]:
@@ -32,7 +28,7 @@ def dead_daemons(node) -> Optional[str]:
 
 def cluster_lost() -> Optional[str]:
     """What went away, if the Ray cluster of this driver did; None while it is there."""
-    node = _embedded_node()
+    node = embedded_head_node()
     if node is not None:   # the embedded Ray: its raylet and GCS are our children
         dead = dead_daemons(node)
         if dead:
@@ -64,7 +60,7 @@ class EmbeddedRayWatch:
     the guardian the moment one dies: Ray's core worker may end this process a moment later."""
 
     def __init__(self, guardian, period_s: float = 0.5):
-        self._node, self._guardian, self._period = _embedded_node(), guardian, period_s
+        self._node, self._guardian, self._period = embedded_head_node(), guardian, period_s
         self._stop = threading.Event()
         self._thread = None
         if self._node is not None:

@@ -32,6 +32,7 @@ from moe_rl.app.report import write_report
 from moe_rl.app.stop_signals import NAMES as SIGNAL_NAMES
 from moe_rl.app.stop_signals import StopSignals, stop_after_iteration
 from moe_rl.app.wandb_logger import WandbLogger
+from moe_rl.rllib.ray_private import LOGGER_NOISE, keep_local_ray_on_loopback, require_token_auth
 
 
 def fail(msg: str, code: int = 2) -> int:
@@ -273,6 +274,7 @@ class Phase:
 
 
 EMBEDDED_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
+LOOPBACK = "127.0.0.1"
 
 
 def ensure_ray(min_cpus: int) -> bool:
@@ -287,16 +289,27 @@ def ensure_ray(min_cpus: int) -> bool:
         ray.init(runtime_env=None if not console.is_quiet() else
                  {"worker_process_setup_hook": "moe_rl.app.console.quiet_worker"})
     else:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # Loopback whatever the environment holds (a local Ray is ours, not a cluster), and Ray's
+        # token auth said explicitly rather than left to Ray's default for new local clusters.
+        keep_local_ray_on_loopback()
+        require_token_auth()
+        console.also_drop(LOGGER_NOISE)
         cpus = max(os.cpu_count() or 1, min_cpus)
-        phase = Phase(f"starting a local Ray on 127.0.0.1 ({cpus} logical CPUs)")
+        phase = Phase(f"starting a local Ray ({cpus} logical CPUs)")
         # address="local": a new Ray of our own, never another user's head that ray.init() would
         # otherwise find on this host (it then also refuses num_cpus). worker_niceness 0: Ray starts
         # workers at nice 15, and here the workers (rollout actors, learners) are the training, not
         # background work: at 15, any other process on a shared machine starves them.
         ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=cpus,
-                 _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
-    phase.done()
+                 _node_ip_address=LOOPBACK, _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
+    phase.done(f"; Ray listens on {listening_on()}")
     return True
+
+
+def listening_on() -> str:
+    """Where this driver's Ray listens, as Ray reports it: the GCS and the node's address."""
+    gcs = ray.get_runtime_context().gcs_address
+    nodes = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
+    return f"{', '.join(nodes)} (GCS {gcs})"
 
 

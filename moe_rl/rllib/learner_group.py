@@ -31,12 +31,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import ray
 import torch.distributed as dist
-from ray.rllib.algorithms.utils import _get_learner_bundles
 from ray.rllib.core.learner.learner_group import LearnerGroup
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from moe_rl.core.digests import Sample
 from moe_rl.core.sharding import assemble_modules
+from moe_rl.rllib import ray_private
 
 KEPT = "kept-in-memory"   # a snapshot the learners hold themselves
 
@@ -44,7 +44,7 @@ KEPT = "kept-in-memory"   # a snapshot the learners hold themselves
 def learner_bundles(config) -> List[Dict[str, float]]:
     """One resource bundle per learner: RLlib's own (what Algorithm.default_resource_request gives
     Tune), which the DeepSpeed group requests for its learners too."""
-    return [{k: float(v) for k, v in b.items() if v} for b in _get_learner_bundles(config)]
+    return [{k: float(v) for k, v in b.items() if v} for b in ray_private.learner_bundles(config)]
 
 
 def _sum_terms(parts: List[Dict[str, Any]]) -> Dict[str, Any]:
