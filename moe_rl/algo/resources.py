@@ -23,6 +23,7 @@ import ray
 from ray.autoscaler.v2.utils import is_autoscaler_v2
 
 from moe_rl.actors.startup import read_steps
+from moe_rl.core.errors import ConfigError
 from moe_rl.rllib.learner_group import learner_bundles
 from moe_rl.rllib.ray_private import autoscaler_status, env_runner_bundles, job_actors, main_process_bundle
 
@@ -270,3 +271,47 @@ class WaitWatch:
         if self._expired and exc_type is KeyboardInterrupt:
             raise ResourceWait(f"gave up after {self.timeout_s:g}s waiting for resources") from None
         return False
+
+
+# --- memory: refuse a model that cannot fit before anything starts ------------------------------
+FP32 = 4
+
+
+def model_memory(config) -> Dict[str, float]:
+    """An estimate in bytes (a floor: the encoder and heads are left out) of what the MoE policy
+    takes: its parameters, every copy of them the run holds, and one minibatch's activations.
+
+    params      num_layers x (experts x (2 d_model d_ff + d_ff + d_model) + router d_model x experts)
+    learners    weights + gradients + Adam's two moments: 4 copies per learner (experts split over ep)
+    copies      one inference copy per env runner, plus the driver's probe copy
+    activations minibatch x num_layers x (top_k d_ff + 4 d_model), kept for backward
+    """
+    m = config.moe_settings
+    n, d, f, layers = m.get("num_experts", 8), m.get("d_model", 64), m.get("d_ff", 64), m.get("num_layers", 2)
+    per_layer_experts = n * (2 * d * f + f + d)
+    params = layers * (per_layer_experts + d * n)
+    learners = max(1, config.num_learners)
+    ep = max(1, m.get("ep_size", 1))
+    learner_bytes = learners * 4 * FP32 * (params - layers * per_layer_experts * (1 - 1 / ep))
+    copies = (config.num_env_runners + 1) * FP32 * params
+    minibatch = config.minibatch_size or config.train_batch_size_per_learner
+    activations = learners * minibatch * layers * (m.get("top_k", 2) * f + 4 * d) * FP32
+    return {"params": float(params), "bytes": float(learner_bytes + copies + activations)}
+
+
+def gib(b: float) -> str:
+    return f"{b / 2**30:.3g} GiB"
+
+
+def check_memory(config, have_bytes: float, where: str) -> Dict[str, float]:
+    """A ConfigError naming the model settings when the estimate exceeds
+    `have_bytes` (the machine's memory for an embedded Ray, the cluster's otherwise)."""
+    est = model_memory(config)
+    if est["bytes"] > have_bytes:
+        m = config.moe_settings
+        raise ConfigError(f"moe: the model cannot fit: {est['params']:.3g} parameters need at least "
+                         f"{gib(est['bytes'])} (weights, gradients and Adam moments on each learner, a copy per "
+                         f"env runner, activations), {where} has {gib(have_bytes)} (num_experts "
+                         f"{m.get('num_experts')}, d_model {m.get('d_model')}, d_ff {m.get('d_ff')}, num_layers "
+                         f"{m.get('num_layers')})")
+    return est

@@ -18,10 +18,13 @@ from __future__ import annotations
 import copy
 import glob
 import json
+import logging
 import os
+import pickle
 import random
 import shutil
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -53,6 +56,8 @@ from moe_rl.app.checkpoint_integrity import (  # noqa: F401  (names callers reac
     verify_checkpoint,
 )
 from moe_rl.app.run_config import BUILDER_SECTIONS
+from moe_rl.app.run_signature import FIELD as SIGNATURE
+from moe_rl.app.run_signature import is_signed_by_user, is_signed_file, key_path, sign
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.settings import MOE_DEFAULTS
 from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
@@ -85,6 +90,8 @@ def _fsync_tree(root: str) -> None:
 
 def write_manifest(path: str, iteration: int, run_config: Optional[Dict[str, Any]],
                    time_total_s: Optional[float] = None) -> Dict[str, Any]:
+    """manifest.json: every file's sha256 and size and the run config, signed with the user's key
+    (run_signature: --resume trusts only the user's own runs)."""
     files = {}
     for rel in files_of(path):
         if rel != MANIFEST:
@@ -94,6 +101,8 @@ def write_manifest(path: str, iteration: int, run_config: Optional[Dict[str, Any
     manifest = {"format": FORMAT, "iteration": int(iteration), "moe_rl_version": __version__,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "created_unix": now,
                 "time_total_s": time_total_s, "run_config": run_config, "files": files}
+    manifest = json.loads(json.dumps(manifest, default=str))   # signed as it will be read back
+    manifest[SIGNATURE] = sign(manifest)
     with open(os.path.join(path, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1, default=str)
         f.flush()
@@ -126,6 +135,23 @@ def load_rng_state(path: str) -> bool:
 
 
 # --- write ----------------------------------------------------------------------------------------
+SHARDS = "module_shard_rank{}.pt"
+
+
+def save_policy_shards(algo, path: str) -> None:
+    """Every learner's published part as learner_group/module_shard_rank{r}.pt, tensors only, so
+    `moe-rl evaluate` loads the policy with torch.load(weights_only=True) and never unpickles RLlib's
+    module files. The DeepSpeed learner group writes them itself (save_to_path)."""
+    folder = os.path.join(path, "learner_group")
+    if glob.glob(os.path.join(folder, SHARDS.format("*"))):
+        return
+    os.makedirs(folder, exist_ok=True)
+    for rank, ref in enumerate(algo.learner_group.publish_weights(inference_only=False)):
+        part = {mid: {k: torch.tensor(np.array(v)) for k, v in state.items()} for mid, state in ray.get(ref).items()}
+        torch.save(part, os.path.join(folder, SHARDS.format(rank)))
+
+
+
 def save_checkpoint(algo, checkpoints_dir: str, iteration: int, run_config: Optional[Dict[str, Any]] = None,
                     keep: Optional[int] = None) -> str:
     """Atomic: the returned checkpoints/iter_NNNNNN is complete (manifest last, fsynced, renamed)."""
@@ -138,6 +164,7 @@ def save_checkpoint(algo, checkpoints_dir: str, iteration: int, run_config: Opti
             if stale.startswith(TMP_PREFIX):
                 shutil.rmtree(os.path.join(checkpoints_dir, stale), ignore_errors=True)
         algo.save_to_path(tmp)
+        save_policy_shards(algo, tmp)
         save_rng_state(tmp)
         write_manifest(tmp, iteration, run_config, getattr(algo, "_time_total", None))
         _fsync_tree(tmp)
@@ -178,6 +205,25 @@ def quarantine(path: str) -> str:
     return target
 
 
+class UntrustedRun(ConfigError):
+    """A run directory that is not the user's own; str() is one line naming the option to trust it."""
+
+
+def authenticate(path: str, run_dir: str) -> Dict[str, Any]:
+    """The checkpoint verifies, and its manifest and RUN_DIR/config.yaml are signed with the user's
+    key; else UntrustedRun. Call before anything in the run is unpickled."""
+    manifest = verify_checkpoint(path)
+    name = os.path.basename(os.path.normpath(path))
+    hint = "pass --trust-run to resume it anyway (it will unpickle the run's files)"
+    if not is_signed_by_user(manifest):
+        raise UntrustedRun(f"--resume: checkpoint {name} of {run_dir!r} is not signed with your key ({key_path()}): "
+                           f"a run from elsewhere or an edited one; {hint}")
+    config_yaml = os.path.join(run_dir, "config.yaml")
+    if not is_signed_file(config_yaml):
+        raise UntrustedRun(f"--resume: {config_yaml!r} is not signed with your key ({key_path()}); {hint}")
+    return manifest
+
+
 def restore_checkpoint(algo, path: str) -> Dict[str, Any]:
     """Verify, then restore everything the checkpoint holds: weights, optimizer state of every
     learner, RLlib learner/algorithm state (iteration counter, metrics, LR schedule position),
@@ -200,20 +246,25 @@ def module_settings(cfg: dict, module_id: str) -> Optional[Dict[str, Any]]:
 
 def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
                 module_id: str = DEFAULT_MODULE_ID) -> RLModule:
-    """A module from a checkpoint: RLlib's RLModule directory, or (DeepSpeed learner group) the
-    per-learner parts module_shard_rank*.pt, assembled strictly and loaded without unpickling code."""
-    path = os.path.join(checkpoint, "learner_group", "learner", "rl_module", module_id)
-    if os.path.isdir(path):
-        return RLModule.from_checkpoint(os.path.abspath(path))   # a relative path would be read as a URI
-    shard_files = sorted(glob.glob(os.path.join(checkpoint, "learner_group", "module_shard_rank*.pt")))
+    """A module from a checkpoint's per-learner parts module_shard_rank*.pt: the module is built
+    from the run's (validated) config and the tensors are loaded with weights_only and strictly.
+    RLlib's pickled module files are never read: a run directory may come from anyone."""
+    shard_files = sorted(glob.glob(os.path.join(checkpoint, "learner_group", SHARDS.format("*"))))
     if not shard_files:
-        raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds neither an RLModule nor learner shards")
+        raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no tensor-only policy files "
+                          f"(learner_group/{SHARDS.format('N')}); it was written by an older moe-rl")
     moe = module_settings(cfg, module_id)
     spec = (RLModuleSpec(module_class=MoEPolicyModule, model_config={"moe": moe}) if moe is not None else
             RLModuleSpec(module_class=DefaultPPOTorchRLModule, catalog_class=PPOCatalog, model_config={}))
     spec.observation_space, spec.action_space, spec.inference_only = observation_space, action_space, False
     module = spec.build()
-    full = assemble_modules([torch.load(f, weights_only=True) for f in shard_files])
+    try:
+        with warnings.catch_warnings():   # a foreign file's pickle protocol: the refusal below says enough
+            warnings.simplefilter("ignore", UserWarning)
+            full = assemble_modules([torch.load(f, weights_only=True) for f in shard_files])
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:   # code or junk, not tensors
+        raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} has a policy file that holds more than tensors "
+                          f"(refused, nothing was run: {str(e).splitlines()[0][:120]})") from None
     if module_id not in full:
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no module {module_id!r}")
     own = module.state_dict()
@@ -311,6 +362,27 @@ def model_conflicts(saved: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[st
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+class _DeprecationLog(logging.Handler):
+    """Catches (and keeps off the console) RLlib's deprecation notices while a key is tried."""
+
+    def __init__(self):
+        super().__init__()
+        self.deprecated = False
+        self._logger = logging.getLogger("ray._common.deprecation")   # RLlib's deprecation_warning
+
+    def emit(self, record) -> None:
+        self.deprecated |= "DeprecationWarning" in record.getMessage()
+
+    def __enter__(self):
+        self._propagate, self._logger.propagate = self._logger.propagate, False
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self)
+        self._logger.propagate = self._propagate
+
+
 def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
     """RUN_DIR/config.yaml as a run config again. It lists every resolved builder key, some of
     which RLlib refuses to be given (deprecated aliases, whatever their value): those are dropped."""
@@ -319,11 +391,13 @@ def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
     for section in BUILDER_SECTIONS:
         kept = {}
         for k, v in (cfg.get(section) or {}).items():
-            try:
-                getattr(MoEPPOConfig(), section)(**{k: v})
-            except (ValueError, TypeError, DeprecationWarning):
-                continue
-            kept[k] = v
+            with _DeprecationLog() as log:
+                try:
+                    getattr(MoEPPOConfig(), section)(**{k: v})
+                except (ValueError, TypeError, DeprecationWarning):
+                    continue
+            if not log.deprecated:   # an alias RLlib accepts with a warning: it lives in another section
+                kept[k] = v
         cfg[section] = kept
     ds, moe = cfg.get("deepspeed") or {}, cfg.get("moe") or {}
     if ds.get("enabled") == (moe.get("ep_size", 1) > 1 or bool(ds.get("config"))):

@@ -20,12 +20,10 @@ import sys
 import time
 from typing import List, Optional
 
+import psutil
 import ray
 
-from moe_rl.algo.resources import (
-    needs,
-    run_demand,
-)
+from moe_rl.algo.resources import check_memory, gib, model_memory, needs, run_demand
 from moe_rl.app import checkpoint as ck
 from moe_rl.app import console
 from moe_rl.app.drift_study import SOURCES, run_study, trained_policy
@@ -33,6 +31,7 @@ from moe_rl.app.evaluate import evaluate_run, evaluate_tasks
 from moe_rl.app.report import write_report
 from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
 from moe_rl.app.run_dir import RunDir
+from moe_rl.app.run_signature import not_users_own
 from moe_rl.app.train import ensure_ray, fail, train_loop
 from moe_rl.core.settings import ConfigError, saved_run_config
 
@@ -56,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR",
                    help="continue RUN_DIR from its newest good checkpoint with its config.yaml (flags and "
                         "--set may extend it, e.g. --iterations, but not change the model)")
+    t.add_argument("--trust-run", action="store_true",
+                   help="--resume a run directory that is not signed with your key (from another user or machine, "
+                        "or edited): its pickled files and any env code its config.yaml names will run")
     t.add_argument("--dry-run", action="store_true",
                    help="check the config and say what the run needs and where it would write; start nothing")
     d = sub.add_parser("drift-study", help="K3 between rollout copy and trainer by sequence length")
@@ -66,13 +68,28 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure the trained policy of a token-sequence run (its newest good checkpoint) "
                         "instead of an untrained one")
     d.add_argument("--output", default="runs/drift-study")
+    d.add_argument("--trust-run", action="store_true",
+                   help="open a run directory that is not signed with your key (another user's, another machine's, or "
+                        "an edited one); only its data is read (YAML, Parquet, tensors)")
+    d.add_argument("--trust-env-code", action="store_true",
+                   help="import the env a run directory's config.yaml names by import path (module:Class): that runs "
+                        "the code it names, which a run from elsewhere may have chosen")
     r = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained plots of a run)")
     r.add_argument("run_dir")
+    r.add_argument("--trust-run", action="store_true",
+                   help="open a run directory that is not signed with your key (another user's, another machine's, or "
+                        "an edited one); only its data is read (YAML, Parquet, tensors)")
     e = sub.add_parser("evaluate", help="load a run's last checkpoint and report the mean return (greedy), "
                                         "or per task with sampled and greedy actions for a multi-task env")
     e.add_argument("run_dir")
     e.add_argument("--episodes", type=int, default=None,
                    help="episodes (default 10); per task and mode for a multi-task env (default 16)")
+    e.add_argument("--trust-run", action="store_true",
+                   help="open a run directory that is not signed with your key (another user's, another machine's, or "
+                        "an edited one); only its data is read (YAML, Parquet, tensors)")
+    e.add_argument("--trust-env-code", action="store_true",
+                   help="import the env a run directory's config.yaml names by import path (module:Class): that runs "
+                        "the code it names, which a run from elsewhere may have chosen")
     return p
 
 
@@ -85,27 +102,32 @@ def _flag_overrides(args) -> List[str]:
 
 def cmd_train(args) -> int:
 
-    def build(base):
+    def build(base, trust_env_code=True):
         cfg = apply_overrides(base, _flag_overrides(args) + args.set)
         if args.env is not None:  # flags keep their string type even when YAML would read a number
             cfg["env"] = args.env
-        return cfg, validate_run_config(cfg)
+        return cfg, validate_run_config(cfg, trust_env_code)
 
     resume = None
     try:
         if args.resume:
             saved, resume = _resume_source(args)
-            cfg, config = build(ck.resume_config(saved))
+            cfg, config = build(ck.resume_config(saved))   # authenticated (or trusted): its env code too
             _check_resume(args, saved, resolved(cfg, config),
                           lambda: resolved(*build(load_run_config(args.config))) if args.config else None)
         else:
             cfg, config = build(load_run_config(args.config))
+        local = not os.environ.get("RAY_ADDRESS")
+        if local:   # a cluster's memory is known once connected: train_loop checks it there
+            check_memory(config, psutil.virtual_memory().total, "this machine")
     except ConfigError as e:
         return fail(str(e))
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg["env"]) + time.strftime("-%Y%m%d-%H%M%S")
     out = args.resume or args.output or os.path.join(cfg.get("output", "runs"), name)
     if args.dry_run:
-        print(f"moe-rl: dry run: the config is valid; {needs(run_demand(config))}; the run would write {out}")
+        memory = gib(model_memory(config)["bytes"])
+        print(f"moe-rl: dry run: the config is valid; {needs(run_demand(config))}; the model takes about {memory} "
+              f"of memory; the run would write {out}")
         return 0
     try:
         run = RunDir(out, resolved(cfg, config))
@@ -115,7 +137,9 @@ def cmd_train(args) -> int:
 
 
 def _resume_source(args):
-    """--resume RUN_DIR: its config.yaml and its newest good checkpoint (ConfigError if none)."""
+    """--resume RUN_DIR: its config.yaml and its newest good checkpoint (ConfigError if none), both
+    checked to be the user's own (signed with the user's key) before anything is unpickled or any
+    env code is imported, unless --trust-run."""
     if not os.path.isfile(os.path.join(args.resume, "config.yaml")):
         raise ConfigError(f"--resume: must be a moe-rl run directory with config.yaml, got {args.resume!r}")
     if args.output and os.path.abspath(args.output) != os.path.abspath(args.resume):
@@ -123,7 +147,10 @@ def _resume_source(args):
     ckpt = ck.latest_good_checkpoint(args.resume)
     if ckpt is None:
         raise ConfigError(f"--resume: {args.resume!r} has no good checkpoint under checkpoints/ to continue from")
-    return saved_run_config(load_run_config(os.path.join(args.resume, "config.yaml"))), ckpt
+    if not args.trust_run:
+        ck.authenticate(ckpt, args.resume)
+    saved = load_run_config(os.path.join(args.resume, "config.yaml"), flag=f"--resume {args.resume!r} config.yaml")
+    return saved_run_config(saved), ckpt
 
 
 def _check_resume(args, saved, new, other_config) -> None:
@@ -150,11 +177,24 @@ def _check_resume(args, saved, new, other_config) -> None:
                           f"config.yaml, {got!r} in {args.config!r} (--resume uses the run's own config)")
 
 
+def users_own_run(run_dir: str, flag: str, trust_run: bool) -> bool:
+    """Whether RUN_DIR is signed with the user's key; a run that is not is refused (ConfigError)
+    unless --trust-run. Either way the caller reads only data from it."""
+    reason = not_users_own(run_dir)
+    if reason and not trust_run:
+        raise ConfigError(f"{flag}: {run_dir!r} is not your own run ({reason}): a run from elsewhere or an edited "
+                          "one; pass --trust-run to open it (only its data is read: YAML, Parquet and tensors)")
+    return reason is None
+
+
 def cmd_report(args) -> int:
     try:
+        users_own_run(args.run_dir, "RUN_DIR", args.trust_run)
         path = write_report(args.run_dir)
+    except ConfigError as e:
+        return fail(str(e))
     except (FileNotFoundError, NotADirectoryError) as e:
-        return fail(f"RUN_DIR: must be a run directory ({e})")
+        return fail(str(e))
     print(f"moe-rl: report in {path}")
     return 0
 
@@ -176,11 +216,13 @@ def cmd_evaluate(args) -> int:
 
     try:
         n = args.episodes
-        tasks = evaluate_tasks(args.run_dir, 16 if n is None else n)
+        # The user's own run may import the env code its config.yaml names: the user wrote it.
+        trust_env_code = users_own_run(args.run_dir, "RUN_DIR", args.trust_run) or args.trust_env_code
+        tasks = evaluate_tasks(args.run_dir, 16 if n is None else n, trust_env_code)
         if tasks:
             print(tasks_table(tasks, 16 if n is None else n))
             return 0
-        mean, returns = evaluate_run(args.run_dir, 10 if n is None else n)
+        mean, returns = evaluate_run(args.run_dir, 10 if n is None else n, trust_env_code)
     except ConfigError as e:
         return fail(str(e))
     print(f"mean return over {len(returns)} episodes: {mean:.2f}")
@@ -198,7 +240,10 @@ def cmd_drift_study(args) -> int:
     if not all(8 <= L <= 1024 for L in lengths):
         return fail(f"--lengths: must be in [8, 1024], got {lengths}")
     try:
-        trained = trained_policy(args.checkpoint, lengths) if args.checkpoint else None
+        trained = None
+        if args.checkpoint:
+            own = users_own_run(args.checkpoint, "--checkpoint", args.trust_run)
+            trained = trained_policy(args.checkpoint, lengths, own or args.trust_env_code)
     except ConfigError as e:
         return fail(str(e))
     started = ensure_ray(4)  # a study config needs at most 1 runner + 2 learners

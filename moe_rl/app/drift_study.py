@@ -66,10 +66,11 @@ def study_config(seq_len: int, source: str, seed: int, prompt_len: int = 8, run_
             .debugging(seed=seed))
 
 
-def trained_policy(run_dir: str, lengths: List[int]) -> Tuple[dict, Dict[str, np.ndarray]]:
+def trained_policy(run_dir: str, lengths: List[int],
+                   trust_env_code: bool = False) -> Tuple[dict, Dict[str, np.ndarray]]:
     """A token run's config and its newest good checkpoint's policy (canonical names). The value
     network is left out: its input is the whole observation, so its size follows the length."""
-    cfg, ckpt = load_run(run_dir, "--checkpoint")
+    cfg, ckpt = load_run(run_dir, "--checkpoint", trust_env_code)
     if cfg.get("env") != TOKEN_ENV or cfg.get("multi_agent"):
         raise ConfigError(f"--checkpoint: must be a single-agent run on {TOKEN_ENV}, got {cfg.get('env')!r}")
     longest = max(lengths) + cfg["env_config"]["prompt_len"]

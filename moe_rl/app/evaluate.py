@@ -8,12 +8,12 @@ from typing import Dict, List, Tuple
 import gymnasium as gym
 import numpy as np
 import torch
-import yaml
 from ray.rllib.core.columns import Columns
 
 import moe_rl.envs  # noqa: F401  registers moe_rl/ envs
 from moe_rl.algo.multi_agent import import_path, validate_multi_agent
-from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy
+from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy, resume_config
+from moe_rl.app.run_config import load_run_config, validate_run_config
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.settings import saved_run_config
 
@@ -49,22 +49,28 @@ def play_episode(module, env, seed: int, options=None, generator=None) -> Tuple[
     return total, info
 
 
-def load_run(run_dir: str, flag: str = "RUN_DIR") -> Tuple[dict, str]:
-    """A run directory's config.yaml and its newest good checkpoint (ConfigError naming `flag`)."""
+def load_run(run_dir: str, flag: str = "RUN_DIR", trust_env_code: bool = False) -> Tuple[dict, str]:
+    """A run directory's config.yaml, validated as a --config is (an env naming code to import is
+    refused unless trust_env_code), and its newest good checkpoint (ConfigError naming `flag`).
+    Only data is read: YAML, and tensors through weights_only loads (load_policy)."""
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"{flag}: must be a moe-rl run directory with config.yaml, got {run_dir!r}")
+    cfg = saved_run_config(load_run_config(cfg_path, flag=f"{flag} config.yaml"))
+    try:
+        validate_run_config(resume_config(cfg), trust_env_code=trust_env_code)
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {run_dir!r} config.yaml: {e}") from None
     ckpt = latest_good_checkpoint(run_dir)  # verified against its manifest; bad ones are reported
     if ckpt is None:
         raise ConfigError(f"{flag}: {run_dir!r} has no good checkpoint under checkpoints/")
-    with open(cfg_path) as f:
-        return saved_run_config(yaml.safe_load(f)), ckpt
+    return cfg, ckpt
 
 
-def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
+def evaluate_run(run_dir: str, episodes: int = 10, trust_env_code: bool = False) -> Tuple[float, List[float]]:
     if episodes < 1:
         raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
-    cfg, ckpt = load_run(run_dir)
+    cfg, ckpt = load_run(run_dir, trust_env_code=trust_env_code)
     seed = int(cfg.get("seed", 0)) + 10_000
     if cfg.get("multi_agent"):
         return _evaluate_multi_agent(cfg, ckpt, episodes, seed)
@@ -76,12 +82,12 @@ def evaluate_run(run_dir: str, episodes: int = 10) -> Tuple[float, List[float]]:
     return float(np.mean(returns)), returns
 
 
-def evaluate_tasks(run_dir: str, episodes: int = 16) -> Dict[str, Dict[str, float]]:
+def evaluate_tasks(run_dir: str, episodes: int = 16, trust_env_code: bool = False) -> Dict[str, Dict[str, float]]:
     """A multi-task run (an env with `task_names`, e.g. moe_rl/MiniGrid-MT3-v0): evaluate_module_tasks
     on its newest good checkpoint. {} for a single-task env."""
     if episodes < 1:
         raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
-    cfg, ckpt = load_run(run_dir)
+    cfg, ckpt = load_run(run_dir, trust_env_code=trust_env_code)
     if cfg.get("multi_agent"):
         return {}
     env = gym.make(cfg["env"], **(cfg.get("env_config") or {}))

@@ -36,10 +36,15 @@ LOSSES = ("policy_loss", "vf_loss", "entropy", "mean_kl_loss", "aux_loss", "z_lo
 MAX_COLUMNS = 150   # heat-map columns (longer runs are strided: the SVG stays small)
 SMALL = {"width": 300, "height": 190}
 
+RUN_FILES = ("config.yaml", "metrics.parquet", "drift.parquet", "drift_study.parquet")
+
+
 def write_report(run_dir: str) -> str:
     """Render RUN_DIR/report.html (atomically) and return its path."""
     if not os.path.isdir(run_dir):
-        raise FileNotFoundError(f"RUN_DIR: not a directory: {run_dir!r}")
+        raise FileNotFoundError(f"RUN_DIR: must be a run directory, got {run_dir!r} (not a directory)")
+    if not any(os.path.isfile(os.path.join(run_dir, f)) for f in RUN_FILES):
+        raise FileNotFoundError(f"RUN_DIR: must be a run directory, {run_dir!r} holds none of {', '.join(RUN_FILES)}")
     path = os.path.join(run_dir, "report.html")
     atomic_write_bytes(path, render_report(run_dir).encode())
     return path

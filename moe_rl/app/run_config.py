@@ -57,17 +57,21 @@ def default_config_path() -> str:
     return str(resources.files("moe_rl") / "configs" / "cartpole.yaml")
 
 
-def load_run_config(path: Optional[str] = None) -> Dict[str, Any]:
+def load_run_config(path: Optional[str] = None, flag: str = "--config") -> Dict[str, Any]:
+    """A YAML mapping from `path` (the quickstart by default); ConfigError naming `flag` (the
+    option, or the run directory's config.yaml, that gave the path)."""
     path = path or default_config_path()
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             cfg = yaml.safe_load(f) or {}
     except OSError as e:
-        raise ConfigError(f"--config: must be a readable YAML file, got {path!r} ({e.strerror})") from None
+        raise ConfigError(f"{flag}: must be a readable YAML file, got {path!r} ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag}: must be UTF-8 text, {path!r} is not (byte {e.start})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config: must be valid YAML, {path!r} is not ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{flag}: must be valid YAML, {path!r} is not ({str(e).splitlines()[0]})") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"--config: must hold a mapping, got {type(cfg).__name__}")
+        raise ConfigError(f"{flag}: must hold a mapping, got {type(cfg).__name__}")
     return cfg
 
 
@@ -102,8 +106,14 @@ def _builder_params(config, section: str) -> set:
     return names - {"self", "kwargs"}
 
 
-def validate_run_config(cfg: Dict[str, Any]):
-    """Check every field and return the built (not started) MoEPPOConfig."""
+# Seeds reach numpy's legacy seeding (< 2**32) after RLlib adds each worker's index and more.
+MAX_SEED = 2**31 - 1
+
+
+def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
+    """Check every field and return the built (not started) MoEPPOConfig. With trust_env_code
+    false (a config read from a run directory), an env given as an import path is refused before
+    anything is imported: naming code in a file is running it."""
 
     unknown = sorted(set(cfg) - set(TOP_LEVEL) - set(SECTIONS))
     if unknown:
@@ -119,8 +129,11 @@ def validate_run_config(cfg: Dict[str, Any]):
     if not math.isfinite(verify_s) or verify_s < 0:
         raise ConfigError(f"checkpoint_verify_every_s: must be a finite number >= 0 (0: every checkpoint), "
                           f"got {verify_s!r}")
-    if "seed" in cfg and cfg["seed"] < 0:
-        raise ConfigError(f"seed: must be an int >= 0, got {cfg['seed']!r}")
+    if "seed" in cfg and not 0 <= cfg["seed"] <= MAX_SEED:
+        raise ConfigError(f"seed: must be an int in [0, {MAX_SEED}], got {cfg['seed']!r}")
+    for section in SECTIONS:
+        if not isinstance(cfg.get(section) or {}, dict):
+            raise ConfigError(f"{section}: must be a mapping of {section} keys, got {cfg[section]!r}")
     if cfg.get("stop_return") is not None and not math.isfinite(cfg["stop_return"]):
         raise ConfigError(f"stop_return: must be a finite number or null, got {cfg['stop_return']!r}")
     validate_wandb(cfg.get("wandb"))
@@ -128,8 +141,12 @@ def validate_run_config(cfg: Dict[str, Any]):
     env = cfg.get("env")
     if not env:
         raise ConfigError("env: must be a gymnasium environment id or an import path, got nothing")
+    if not trust_env_code and names_code(env):
+        raise ConfigError(f"env: {env!r} names code to import; a run directory's config.yaml may come from "
+                          "anyone: pass --trust-env-code to import it")
     config = MoEPPOConfig().environment(_resolve_env(env), env_config=cfg.get("env_config") or {})
-    _check_own_env(env, cfg.get("env_config") or {}, {**MOE_DEFAULTS, **(cfg.get("moe") or {})})
+    built = _check_env_config(env, cfg.get("env_config") or {})
+    cfg = {**cfg, "moe": _with_task_count(env, {**MOE_DEFAULTS, **(cfg.get("moe") or {})}, built)}
     for section in SECTIONS:
         values = cfg.get(section) or {}
         if not isinstance(values, dict):
@@ -202,10 +219,16 @@ def _check_cluster(section: Dict[str, Any]) -> None:
         raise ConfigError(f"cluster.wait_timeout_s: must be a number of seconds > 0 or null (no limit), got {v!r}")
 
 
+def names_code(env_id: str) -> bool:
+    """`package.module:Class`, or a gymnasium id with a module prefix (`module:Env-v0`, which
+    gym.make imports): either imports code the id names."""
+    return ":" in env_id and not env_id.startswith("moe_rl/")
+
+
 def _resolve_env(env_id: str):
     """A registered gymnasium id (moe_rl/ envs included), or `package.module:EnvClass` (RLlib's
     MultiAgentEnv classes among them), which every rollout actor imports the same way."""
-    if ":" in env_id and not env_id.startswith("moe_rl/"):
+    if names_code(env_id):
         return import_path(env_id, "env")
     _check_env(env_id)
     return env_id
@@ -219,25 +242,79 @@ def _check_env(env_id: str) -> None:
                           f"got {env_id!r}") from None
 
 
-def _check_own_env(env_id: str, env_config: Dict[str, Any], moe: Dict[str, Any]) -> None:
-    """moe-rl's own envs are cheap to build: build one here, so a bad env_config (an unknown MiniGrid
-    task, tasks that do not share an action space, an empty list) fails before any actor starts, and
-    a task router is checked against the env's task count."""
-    if not env_id.startswith("moe_rl/"):
-        return
+def _check_env_config(env_id: str, env_config: Dict[str, Any]):
+    """A registered env is built once here, so a bad env_config (a key its constructor does not
+    take, an unknown MiniGrid task, tasks that do not share an action space) fails before any actor
+    starts, and a task router is checked against the env's task count. An import-path env is the
+    user's own class: built by the rollout actors only. Returns (observation space, task names) or None."""
+    if names_code(env_id):
+        return None
+    unknown = _unknown_kwargs(env_id, env_config)
+    if unknown:
+        raise ConfigError(f"env_config.{unknown[0]}: {env_id} does not take it (its keys: "
+                          f"{', '.join(_env_kwargs(env_id)) or 'none'})")
     try:
         env = gym.make(env_id, **env_config)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"env_config.{e}" if str(e).split(":")[0].split("[")[0].isidentifier()
                           else f"env_config: {e}") from None
+    except Exception as e:   # the env's own error, in one line
+        raise ConfigError(f"env_config: {env_id} cannot be built with {env_config!r} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     space = env.observation_space
+    names = list(getattr(env.unwrapped, "task_names", None) or [])
+    where = getattr(env.unwrapped, "task_slice", None)   # a one-hot task id inside a vector observation
+    if where is None and isinstance(space, gym.spaces.Dict) and "task" in space.spaces:
+        where = (0, int(space["task"].shape[0]))
     env.close()
-    if moe.get("router") == "task" and isinstance(space, gym.spaces.Dict) and "task" in space.spaces:
-        n = int(space["task"].shape[0])
-        if moe.get("task_slice") != [0, n] or (moe.get("router_kwargs") or {}).get("num_tasks") != n:
-            raise ConfigError(f"moe.task_slice: must be [0, {n}] with moe.router_kwargs.num_tasks {n} for {env_id} "
-                              f"({n} tasks), got task_slice {moe.get('task_slice')!r} and num_tasks "
-                              f"{(moe.get('router_kwargs') or {}).get('num_tasks')!r}")
+    return where, names
+
+
+def _with_task_count(env_id: str, moe: Dict[str, Any], built) -> Dict[str, Any]:
+    """A task router reads the one-hot task id in the observation's "task" entry: its task count
+    and slice come from the env unless the user set them; a user's value that disagrees with the
+    env is an error naming the env's tasks."""
+    if moe.get("router") != "task" or built is None:
+        return moe
+    where, names = built
+    if where is None:
+        return moe
+    start, n = (int(v) for v in where)
+    kwargs = dict(moe.get("router_kwargs") or {})
+    tasks = f"{env_id} has {n} tasks" + (f" ({', '.join(names)})" if names else "")
+    if "num_tasks" in kwargs and kwargs["num_tasks"] != n:
+        raise ConfigError(f"moe.router_kwargs.num_tasks: must be {n} or unset: {tasks}, got {kwargs['num_tasks']!r}")
+    if moe.get("task_slice") is not None and list(moe["task_slice"]) != [start, n]:
+        raise ConfigError(f"moe.task_slice: must be [{start}, {n}] or unset: {tasks}, got {moe['task_slice']!r}")
+    return {**moe, "router_kwargs": {**kwargs, "num_tasks": n}, "task_slice": [start, n]}
+
+
+def _env_class_signature(env_id: str):
+    """The registered entry point's constructor signature (None if it takes **kwargs or cannot be read)."""
+    entry = gym.spec(env_id).entry_point
+    try:
+        target = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
+        sig = inspect.signature(target)
+    except (ValueError, TypeError, ImportError, AttributeError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return sig
+
+
+def _env_kwargs(env_id: str) -> List[str]:
+    sig = _env_class_signature(env_id)
+    return [n for n, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)] if sig else []
+
+
+def _unknown_kwargs(env_id: str, env_config: Dict[str, Any]) -> List[str]:
+    """Keys of env_config the env's constructor cannot take (gym.make's own keys aside)."""
+    sig = _env_class_signature(env_id)
+    if sig is None:
+        return []
+    own = set(_env_kwargs(env_id)) | {"render_mode", "max_episode_steps", "disable_env_checker", "autoreset",
+                                      "apply_api_compatibility"}
+    return sorted(set(env_config) - own)
 
 
 def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:

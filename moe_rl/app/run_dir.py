@@ -13,6 +13,7 @@ from pyarrow import fs
 from tensorboardX import SummaryWriter
 
 from moe_rl.algo.results import atomic_write_bytes, write_table
+from moe_rl.app.run_signature import sign_bytes, signature_path
 
 INCOMPLETE = "INCOMPLETE"
 
@@ -77,8 +78,10 @@ class RunDir:
         self.path = os.path.abspath(path)
         try:
             os.makedirs(os.path.join(self.path, "checkpoints"), exist_ok=True)
-            atomic_write_bytes(os.path.join(self.path, "config.yaml"),
-                               yaml.safe_dump(resolved_config, sort_keys=False).encode())
+            config_yaml = os.path.join(self.path, "config.yaml")
+            text = yaml.safe_dump(resolved_config, sort_keys=False).encode()
+            atomic_write_bytes(config_yaml, text)
+            atomic_write_bytes(signature_path(config_yaml), sign_bytes(text))
         except OSError as e:
             raise OSError(f"output: cannot write the run directory {self.path!r}: {e.strerror}") from None
         self.rows: List[Dict[str, Any]] = []        # metrics.parquet
