@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Sequence
 import ray
 import ray.util.collective as col
 import torch
-from ray.util.collective.backend_registry import _global_registry, register_collective_backend
+from ray.util.collective.backend_registry import register_collective_backend
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
 from moe_rl.actors.rendezvous import listening_socket, tcp_store
@@ -94,8 +94,10 @@ class GlooSyncGroup(BaseGroup):
 
 def _backend(name: str) -> str:
     if name == "gloo":
-        if not _global_registry.is_registered(GLOO_BACKEND):
+        try:
             register_collective_backend(GLOO_BACKEND, GlooSyncGroup)
+        except ValueError:   # "already registered" in this process: Ray's public API has no query
+            pass
         return GLOO_BACKEND
     return "NCCL"
 

@@ -389,6 +389,8 @@ def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
     cfg = copy.deepcopy(saved)
     cfg.pop("ray_address", None)
     for section in BUILDER_SECTIONS:
+        if not isinstance(cfg.get(section) or {}, dict):
+            continue   # validate_run_config names it
         kept = {}
         for k, v in (cfg.get(section) or {}).items():
             with _DeprecationLog() as log:
@@ -400,7 +402,8 @@ def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
                 kept[k] = v
         cfg[section] = kept
     ds, moe = cfg.get("deepspeed") or {}, cfg.get("moe") or {}
-    if ds.get("enabled") == (moe.get("ep_size", 1) > 1 or bool(ds.get("config"))):
+    sections = isinstance(ds, dict) and isinstance(moe, dict)
+    if sections and ds.get("enabled") == (moe.get("ep_size", 1) > 1 or bool(ds.get("config"))):
         ds["enabled"] = None  # resolved from the default (auto): a changed layout is reported as such
     return cfg
 

@@ -112,6 +112,10 @@ def cmd_train(args) -> int:
     try:
         if args.resume:
             saved, resume = _resume_source(args)
+            try:   # the run's own file first, so its faults are named as its own, not a flag's
+                validate_run_config(ck.resume_config(saved))
+            except ConfigError as e:
+                raise ConfigError(f"--resume: {args.resume!r} config.yaml: {e}") from None
             cfg, config = build(ck.resume_config(saved))   # authenticated (or trusted): its env code too
             _check_resume(args, saved, resolved(cfg, config),
                           lambda: resolved(*build(load_run_config(args.config))) if args.config else None)
