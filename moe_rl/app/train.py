@@ -15,6 +15,7 @@ import ray
 from moe_rl.algo.resources import (
     ResourceWait,
     WaitWatch,
+    check_memory,
     cluster_view,
     describe,
     fmt_bundle,
@@ -32,6 +33,7 @@ from moe_rl.app.report import write_report
 from moe_rl.app.stop_signals import NAMES as SIGNAL_NAMES
 from moe_rl.app.stop_signals import StopSignals, stop_after_iteration
 from moe_rl.app.wandb_logger import WandbLogger
+from moe_rl.core.errors import ConfigError
 from moe_rl.rllib.ray_private import LOGGER_NOISE, keep_local_ray_on_loopback, require_token_auth
 
 
@@ -74,6 +76,14 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
     started_ray = ensure_ray(math.ceil(demand.total().get("CPU", 0)) + 1)   # + the driver's own work
     stop.take_back()   # from ray.init(), whose own SIGTERM handler would exit mid-iteration
     algo = None
+    if os.environ.get("RAY_ADDRESS"):   # the machine's memory was checked before Ray; a cluster's is known now
+        try:
+            check_memory(config, ray.cluster_resources().get("memory", math.inf), "the cluster")
+        except ConfigError as e:
+            run.mark_incomplete(str(e))
+            if started_ray:
+                ray.shutdown()
+            return fail(str(e))
     try:
         algo = _build_within_the_cluster(config, cfg, demand)
     except ResourceWait as e:
