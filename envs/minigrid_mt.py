@@ -14,6 +14,14 @@ has taken the fewest steps in this env so far (ties by list order), so long-epis
 crowd out short ones and every vectorised copy balances itself. `reset(options={"task_id": k})`
 pins a task (per-task evaluation).
 
+A sequential schedule (continual multi-task learning) plays the tasks in order instead, each for
+`steps_per_task` env steps, then starts over, `cycles` times; after the last cycle it stays on the
+last task. `copies` is how many env copies share the schedule (the run's env runners x envs per
+runner; `moe-rl train` fills it in): each copy counts its own steps, so the switch happens at once
+in every copy when the run as a whole has taken steps_per_task steps.
+
+    env_config: {tasks: MT5, schedule: sequential, steps_per_task: 100000, cycles: 3}
+
 The suites (each `MiniGrid-<name>-v0`), from MOORE's code:
     MT3  LavaGapS7, RedBlueDoors-6x6, MemoryS11
     MT5  DoorKey-6x6, LavaGapS7, RedBlueDoors-6x6, DistShift1, MemoryS11
@@ -28,6 +36,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+SCHEDULES = ("balanced", "sequential")
 SUITES = {
     "MT3": ("LavaGapS7", "RedBlueDoors-6x6", "MemoryS11"),
     "MT5": ("DoorKey-6x6", "LavaGapS7", "RedBlueDoors-6x6", "DistShift1", "MemoryS11"),
@@ -72,8 +81,19 @@ class MultiTaskMiniGrid(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, tasks="MT3"):
+    def __init__(self, tasks="MT3", schedule: str = "balanced", steps_per_task: Optional[int] = None,
+                 cycles: int = 1, copies: int = 1):
         from minigrid.wrappers import ImgObsWrapper
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
+        for name, value in (("cycles", cycles), ("copies", copies)):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+        if schedule == "sequential" and not (isinstance(steps_per_task, int) and steps_per_task >= 1):
+            raise ValueError(f"steps_per_task: must be an int >= 1 for schedule 'sequential', got {steps_per_task!r}")
+        self.schedule, self.steps_per_task, self.cycles, self.copies = schedule, steps_per_task, cycles, copies
+        self._steps_total = 0   # this copy's env steps (the sequential schedule's clock)
 
         ids = check_tasks(SUITES[tasks] if isinstance(tasks, str) and tasks in SUITES else tasks)
         self.task_ids = ids
@@ -95,6 +115,17 @@ class MultiTaskMiniGrid(gym.Env):
         self._one_hot = np.eye(self.num_tasks, dtype=np.float32)
         self._task: Optional[int] = None
 
+    def scheduled_task(self) -> int:
+        """The task the sequential schedule plays now, and its cycle (from 0)."""
+        phase = min(self._steps_total * self.copies // self.steps_per_task, self.num_tasks * self.cycles - 1)
+        return phase % self.num_tasks
+
+    @property
+    def cycle(self) -> int:
+        if self.schedule != "sequential":
+            return 0
+        return min(self._steps_total * self.copies // self.steps_per_task // self.num_tasks, self.cycles - 1)
+
     def _obs(self, image):
         return {"image": image, "task": self._one_hot[self._task]}
 
@@ -104,9 +135,10 @@ class MultiTaskMiniGrid(gym.Env):
             for i, env in enumerate(self.envs):
                 env.reset(seed=int(seed) * 1_000 + i)
             self._steps_per_task[:] = 0
+            self._steps_total = 0
         task = (options or {}).get("task_id")
         if task is None:
-            task = int(np.argmin(self._steps_per_task))
+            task = self.scheduled_task() if self.schedule == "sequential" else int(np.argmin(self._steps_per_task))
         elif not (isinstance(task, (int, np.integer)) and 0 <= task < self.num_tasks):
             raise ValueError(f"task_id: must be an int in [0, {self.num_tasks - 1}], got {task!r}")
         self._task = int(task)
@@ -118,6 +150,7 @@ class MultiTaskMiniGrid(gym.Env):
             raise RuntimeError("MultiTaskMiniGrid: call reset() before step()")
         image, reward, terminated, truncated, _ = self.envs[self._task].step(action)
         self._steps_per_task[self._task] += 1
+        self._steps_total += 1
         info = {"task": self.task_names[self._task], "task_id": self._task}
         if terminated or truncated:
             info["success"] = bool(terminated and reward > 0)

@@ -158,6 +158,7 @@ def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
                 raise ConfigError(f"{section}.{bad[0]}: unknown key, allowed: {', '.join(sorted(allowed))}")
             _check_numbers(section, values)
             getattr(config, section)(**values)
+    _share_the_schedule(config)
     config.moe(**(cfg.get("moe") or {}))
     config.deepspeed(**(cfg.get("deepspeed") or {}))
     config.stability(**(cfg.get("stability") or {}))
@@ -287,6 +288,15 @@ def _with_task_count(env_id: str, moe: Dict[str, Any], built) -> Dict[str, Any]:
     if moe.get("task_slice") is not None and list(moe["task_slice"]) != [start, n]:
         raise ConfigError(f"moe.task_slice: must be [{start}, {n}] or unset: {tasks}, got {moe['task_slice']!r}")
     return {**moe, "router_kwargs": {**kwargs, "num_tasks": n}, "task_slice": [start, n]}
+
+
+def _share_the_schedule(config) -> None:
+    """A sequential task schedule counts env steps in every env copy: each copy is told how many
+    copies share it (env runners x envs per runner), unless the user said."""
+    env_config = dict(config.env_config or {})
+    if env_config.get("schedule") == "sequential" and "copies" not in env_config:
+        env_config["copies"] = max(1, config.num_env_runners) * config.num_envs_per_env_runner
+        config.environment(env_config=env_config)
 
 
 def _env_class_signature(env_id: str):
