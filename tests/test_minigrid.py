@@ -129,10 +129,14 @@ def _mt3(*overrides):
     (["env_config={tasks: [DoorKey-6x6, Dynamic-Obstacles-5x5]}"],
      "env_config.tasks[1]: MiniGrid-Dynamic-Obstacles-5x5-v0 has action space Discrete(3)"),
     (["env_config={tasks: []}"], "env_config.tasks: must be a non-empty list"),
-    (["env=moe_rl/MiniGrid-MT5-v0"], "moe.task_slice: must be [0, 5] with moe.router_kwargs.num_tasks 5"),
+    (["env=moe_rl/MiniGrid-MT5-v0", "moe.router_kwargs.num_tasks=3"],
+     "moe.router_kwargs.num_tasks: must be 5 or unset: moe_rl/MiniGrid-MT5-v0 has 5 tasks (DoorKey-6x6, LavaGapS7, "
+     "RedBlueDoors-6x6, DistShift1, MemoryS11), got 3"),
+    (["env=moe_rl/MiniGrid-MT5-v0", "moe.task_slice=[0, 3]"], "moe.task_slice: must be [0, 5] or unset"),
     (["moe.encoder=cnn"], "moe.encoder: must be one of ('auto', 'flat', 'conv')"),
 ])
 def test_bad_env_configs_fail_before_any_actor_starts(overrides, message):
+    """A task count or slice is an error only where the user set it against the env's own."""
     with pytest.raises(ConfigError) as e:
         validate_run_config(_mt3(*overrides))
     assert str(e.value).startswith(message), str(e.value)
@@ -176,3 +180,9 @@ def test_a_two_iteration_mt3_run_writes_per_task_figures_and_evaluates_per_task(
     assert lines[0].split()[:3] == ["task", "sampled", "return"]
     assert [line.split()[0] for line in lines[1:4]] == ["LavaGapS7", "RedBlueDoors-6x6", "MemoryS11"]
     assert lines[-1].startswith("average over tasks")
+
+
+def test_the_task_router_takes_its_task_count_from_the_env():
+    """A user's own four-task mix through the MT3 config, with no other key set."""
+    config = validate_run_config(_mt3('env_config={"tasks": [LavaGapS7, RedBlueDoors-6x6, MemoryS11, DoorKey-6x6]}'))
+    assert config.moe_settings["task_slice"] == [0, 4] and config.moe_settings["router_kwargs"]["num_tasks"] == 4

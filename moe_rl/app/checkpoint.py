@@ -255,7 +255,8 @@ def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
                           f"(learner_group/{SHARDS.format('N')}); it was written by an older moe-rl")
     moe = module_settings(cfg, module_id)
     spec = (RLModuleSpec(module_class=MoEPolicyModule, model_config={"moe": moe}) if moe is not None else
-            RLModuleSpec(module_class=DefaultPPOTorchRLModule, catalog_class=PPOCatalog, model_config={}))
+            RLModuleSpec(module_class=DefaultPPOTorchRLModule, catalog_class=PPOCatalog,
+                         model_config=dict(MoEPPOConfig().model_config)))   # PPO's defaults, as the run built it
     spec.observation_space, spec.action_space, spec.inference_only = observation_space, action_space, False
     module = spec.build()
     try:

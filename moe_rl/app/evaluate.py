@@ -3,7 +3,7 @@ then steps a local gymnasium env): greedy episodes, and per task for a multi-tas
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import gymnasium as gym
 import numpy as np
@@ -14,6 +14,7 @@ import moe_rl.envs  # noqa: F401  registers moe_rl/ envs
 from moe_rl.algo.multi_agent import import_path, validate_multi_agent
 from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy, resume_config
 from moe_rl.app.run_config import load_run_config, validate_run_config
+from moe_rl.app.run_signature import not_users_own
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.settings import saved_run_config
 
@@ -49,14 +50,17 @@ def play_episode(module, env, seed: int, options=None, generator=None) -> Tuple[
     return total, info
 
 
-def load_run(run_dir: str, flag: str = "RUN_DIR", trust_env_code: bool = False) -> Tuple[dict, str]:
+def load_run(run_dir: str, flag: str = "RUN_DIR", trust_env_code: Optional[bool] = None) -> Tuple[dict, str]:
     """A run directory's config.yaml, validated as a --config is (an env naming code to import is
-    refused unless trust_env_code), and its newest good checkpoint (ConfigError naming `flag`).
+    refused unless trust_env_code; None: trusted when the run is signed with the user's key), and
+    its newest good checkpoint (ConfigError naming `flag`).
     Only data is read: YAML, and tensors through weights_only loads (load_policy)."""
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"{flag}: must be a moe-rl run directory with config.yaml, got {run_dir!r}")
     cfg = saved_run_config(load_run_config(cfg_path, flag=f"{flag} config.yaml"))
+    if trust_env_code is None:
+        trust_env_code = not_users_own(run_dir) is None
     try:
         validate_run_config(resume_config(cfg), trust_env_code=trust_env_code)
     except ConfigError as e:
@@ -67,7 +71,7 @@ def load_run(run_dir: str, flag: str = "RUN_DIR", trust_env_code: bool = False) 
     return cfg, ckpt
 
 
-def evaluate_run(run_dir: str, episodes: int = 10, trust_env_code: bool = False) -> Tuple[float, List[float]]:
+def evaluate_run(run_dir: str, episodes: int = 10, trust_env_code: Optional[bool] = None) -> Tuple[float, List[float]]:
     if episodes < 1:
         raise ConfigError(f"--episodes: must be >= 1, got {episodes}")
     cfg, ckpt = load_run(run_dir, trust_env_code=trust_env_code)
@@ -82,7 +86,7 @@ def evaluate_run(run_dir: str, episodes: int = 10, trust_env_code: bool = False)
     return float(np.mean(returns)), returns
 
 
-def evaluate_tasks(run_dir: str, episodes: int = 16, trust_env_code: bool = False) -> Dict[str, Dict[str, float]]:
+def evaluate_tasks(run_dir: str, episodes: int = 16, trust_env_code: Optional[bool] = None) -> Dict[str, Dict[str, float]]:
     """A multi-task run (an env with `task_names`, e.g. moe_rl/MiniGrid-MT3-v0): evaluate_module_tasks
     on its newest good checkpoint. {} for a single-task env."""
     if episodes < 1:
