@@ -86,7 +86,8 @@ def evaluate_run(run_dir: str, episodes: int = 10, trust_env_code: Optional[bool
     return float(np.mean(returns)), returns
 
 
-def evaluate_tasks(run_dir: str, episodes: int = 16, trust_env_code: Optional[bool] = None) -> Dict[str, Dict[str, float]]:
+def evaluate_tasks(run_dir: str, episodes: int = 16,
+                   trust_env_code: Optional[bool] = None) -> Dict[str, Dict[str, float]]:
     """A multi-task run (an env with `task_names`, e.g. moe_rl/MiniGrid-MT3-v0): evaluate_module_tasks
     on its newest good checkpoint. {} for a single-task env."""
     if episodes < 1:
