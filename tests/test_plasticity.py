@@ -20,13 +20,13 @@ def test_a_fresh_moe_layer_has_no_dormant_units_and_silenced_units_are_counted()
     layer = MoELayer(16, 4, 2, 8, activation="gelu")
     x = torch.randn(512, 16)
     fresh = trunk_dormancy(layer, lambda: layer(x))
-    assert fresh["dormant"] == 0.0 and all(fresh[f"layer0/e{e}/dormant"] == 0.0 for e in range(4))
+    assert fresh["dormant"] == 0.0 and all(fresh[f"layer0/dormant/e{e}"] == 0.0 for e in range(4))
     with torch.no_grad():   # expert 1's first 4 of 8 units never fire: weights 0, bias 0 -> gelu(0) = 0
         layer.experts.w1[1, :4] = 0.0
         layer.experts.b1[1, :4] = 0.0
     silenced = trunk_dormancy(layer, lambda: layer(x))
-    assert silenced["layer0/e1/dormant"] == 0.5
-    assert silenced["layer0/e0/dormant"] == 0.0
+    assert silenced["layer0/dormant/e1"] == 0.5
+    assert silenced["layer0/dormant/e0"] == 0.0
     assert silenced["layer0/dormant"] == pytest.approx(4 / 32)
 
 
@@ -38,7 +38,7 @@ def test_an_expert_nobody_routes_to_is_dormant():
         layer.router.gate.bias[3] = -1e4
     x = torch.randn(256, 8)
     figures = trunk_dormancy(layer, lambda: layer(x))
-    assert figures["layer0/e3/dormant"] == 1.0 and figures["layer0/dormant"] >= 0.25
+    assert figures["layer0/dormant/e3"] == 1.0 and figures["layer0/dormant"] >= 0.25
 
 
 def test_a_dense_ffn_block_is_measured_too():

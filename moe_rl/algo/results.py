@@ -14,6 +14,8 @@ prefixed `moe_rl_`, Prometheus names):
     grade judges: moe_rl.core.health, docs/stability.md), moe/load_grade (the seeds' table, 0|1|2),
     moe/layer{i}/<same metrics>            per MoE layer; the moe/<metric> columns hold the worst layer.
     moe/layer{i}/util/e{j}, .../logit_mean/e{j}, .../logit_std/e{j}   per expert (N <= 64)
+    moe/dormant, moe/layer{i}/dormant, moe/layer{i}/dormant/e{j}   tau-dormant share of the trunk's
+                                           feed-forward units (moe_rl.core.plasticity, tau 0.025)
     stability/grad_norm/<group>, stability/grad_norm/total, stability/clip_coef/<group>,
     stability/lr/<group>, stability/skipped_steps, stability/router_warmup, stability/expert_dropout
     drift/<figure>, drift/decision, drift/cause, drift/action   the consistency check (drift.parquet

@@ -83,7 +83,7 @@ def _per_module(cfg, m, ledger, study, limits, n) -> list:
     if not modules:
         return [section("2. Expert utilisation and health", _utilisation(m, n)),
                 section("3. Router-logit distributions per expert", _logits(m)),
-                section("4. Router entropy and active experts", _entropy(m, n)),
+                section("4. Router entropy, active experts and dormant units", _entropy(m, n)),
                 section("5. Training-inference drift", _drift(m, ledger, study, limits))]
     out = []
     for mid in modules:
@@ -296,6 +296,10 @@ def _entropy(m, n) -> list:
                                 y_range=(0.0, top + 0.5), hlines=[(top, "#555", f"all {top:g}")]))
     else:
         out.append(not_recorded("active experts (moe/active_experts)"))
+    dormant = {label: _pts(m, p + "dormant") for p, label in layers}
+    if any(dormant.values()):   # plasticity: docs/stability.md says how to read it beside the grade
+        figs.append(xy_plot_svg({k: v for k, v in dormant.items() if v}, "dormant units (τ = 0.025)",
+                                ylabel="share of the block's units", y_range=(0.0, 1.0)))
     return ([fig_row(figs)] if figs else []) + out
 
 

@@ -13,7 +13,7 @@ Layers here are the feed-forward blocks of the policy trunk:
 
     with DormantProbe(trunk) as probe:   # hooks on every MoE layer and dense FFN of the trunk
         trunk(obs)
-    probe.figures(tau=0.0)               # {"layer{i}/dormant": f, "layer{i}/e{j}/dormant": f, "dormant": f}
+    probe.figures(tau=0.0)               # {"layer{i}/dormant": f, "layer{i}/dormant/e{j}": f, "dormant": f}
 
 tau = 0 counts units that never fire (exactly zero, e.g. ReLU); tanh and GELU units are rarely
 exactly zero, so the default tau here is Sokar et al.'s 0.025 for bounded activations.
@@ -94,7 +94,7 @@ class DormantProbe:
 
     def figures(self, tau: float = DEFAULT_TAU) -> Dict[str, float]:
         """Dormant shares of the last recorded forward: per block (layer{i}/dormant, i from 0), per
-        expert of an MoE block (layer{i}/e{j}/dormant), and over all blocks' units (dormant)."""
+        expert of an MoE block (layer{i}/dormant/e{j}), and over all blocks' units (dormant)."""
         out: Dict[str, float] = {}
         pooled = []
         for i, (kind, (_, seen)) in enumerate(self._blocks):
@@ -107,7 +107,7 @@ class DormantProbe:
             pooled.append(mask)
             if kind == "moe":
                 for e in range(activity.shape[0]):
-                    out[f"layer{i}/e{e}/dormant"] = float(dormant_mask(activity[e], tau).float().mean())
+                    out[f"layer{i}/dormant/e{e}"] = float(dormant_mask(activity[e], tau).float().mean())
         if pooled:
             out["dormant"] = float(torch.cat(pooled).float().mean())
         return out

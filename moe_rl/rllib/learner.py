@@ -39,7 +39,7 @@ from moe_rl.core.stability import (
 from moe_rl.core.state_copy import keep_state, restore_state
 from moe_rl.rllib.correction import RolloutCorrection, SkippedSteps, routing_flags
 from moe_rl.rllib.replay import MismatchedReplay
-from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule
+from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule, module_dormancy
 
 STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"      # PPO's adaptive KL coefficients (RLlib's state leaves them out)
@@ -67,6 +67,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
     def build(self) -> None:
         self._stability: Dict[str, StabilityToolkit] = {}
         self._last_routing: Dict[str, list] = {}
+        self._last_obs: Dict[str, Any] = {}
         self._update_counts: Dict[str, List[torch.Tensor]] = {}   # per layer, the update's assignments
         self._balance: Dict[str, AdaptiveBalance] = {}   # modules with moe.balance: adaptive
         self._health: Dict[str, HealthWatch] = {}   # per module: the grade's streaks over updates
@@ -179,6 +180,8 @@ class MoEPPOTorchLearner(PPOTorchLearner):
                 stats.update(health_summary(self._last_routing.pop(module_id),
                                             self._update_counts.pop(module_id, None),
                                             self._health.setdefault(module_id, HealthWatch())))
+            if module_id in self._last_obs:   # plasticity: moe/dormant, moe/layer{i}/dormant(/e{j})
+                stats.update(module_dormancy(self.plain_module(module_id), self._last_obs.pop(module_id)))
             self.metrics.log_dict(stats, key=module_id, window=1)
 
     def get_state(self, *args, **kwargs):
@@ -250,6 +253,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         # metrics (dozens of keys) are computed once per update: the load from every minibatch's
         # assignments (summed here), the rest from the last minibatch's routing.
         self._last_routing[module_id] = [r.detach() for r in records]
+        self._last_obs[module_id] = batch[Columns.OBS]   # the dormant-unit probe's batch (plasticity)
         counts = [expert_counts(r.router_top_k, r.num_experts) for r in records]
         sums = self._update_counts.get(module_id)
         self._update_counts[module_id] = counts if sums is None else [a + b for a, b in zip(sums, counts)]

@@ -29,6 +29,7 @@ from torch import nn
 
 from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.errors import ConfigError
+from moe_rl.core.plasticity import trunk_dormancy
 from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk, mlp, policy_head
 from moe_rl.core.settings import MOE_DEFAULTS, resolve_gate_normalization, validate_moe
 
@@ -195,3 +196,14 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         elif hasattr(self, "vf_encoder"):
             obs, _ = self.vf_encoder(tree.map_structure(lambda x: x.float(), obs))
         return self.vf(obs.float().reshape(obs.shape[0], -1)).squeeze(-1)
+
+
+DORMANT_ROWS = 1024   # the dormant-unit probe's rows: one extra forward of at most this many per update
+
+
+def module_dormancy(module, obs) -> Dict[str, float]:
+    """moe/dormant, moe/layer{i}/dormant and .../dormant/e{j}: the tau-dormant share of the policy
+    trunk's feed-forward units (moe_rl.core.plasticity) on at most DORMANT_ROWS observations."""
+    obs = tree.map_structure(lambda x: x[:DORMANT_ROWS], obs)
+    figures = trunk_dormancy(module, lambda: module.forward_inference({Columns.OBS: obs}))
+    return {f"moe/{k}": v for k, v in figures.items()}
