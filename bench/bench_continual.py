@@ -196,7 +196,10 @@ def report(results: str) -> str:
     for arm in ("moe_task", "moe_topk"):
         if arm in runs and "dense" in runs:
             for k in ("A3", "dormant_c3"):
-                d, h = welch_ci([f[k] for f in runs[arm] if k in f], [f[k] for f in runs["dense"] if k in f])
+                a, b = [f[k] for f in runs[arm] if k in f], [f[k] for f in runs["dense"] if k in f]
+                if not a or not b:
+                    continue
+                d, h = welch_ci(a, b)
                 lines.append(f"\n{arm} - dense, {k}: {d:+.3f} (95 % CI half-width {h:.3f})")
     lines.append("\ndormant fraction by cycle (mean over seeds): " + "; ".join(
         f"{arm} " + ", ".join(f"{statistics.fmean(x):.3f}" for x in zip(*(f['dormant_by_cycle'] for f in figs)))
