@@ -36,6 +36,12 @@ from moe_rl.app.train import ensure_ray, fail, train_loop
 from moe_rl.core.settings import ConfigError, saved_run_config
 
 
+TRUST_RUN_HELP = ("open a run directory that is not signed with your key (another user's, another machine's, or "
+                  "an edited one); only its data is read (YAML, Parquet, tensors)")
+TRUST_ENV_CODE_HELP = ("import the env a run directory's config.yaml names by import path (module:Class): that runs "
+                       "the code it names, which a run from elsewhere may have chosen")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-rl", description="Train Mixture-of-Experts policies with RL on Ray.")
     p.add_argument("-v", "--verbose", action="store_true",
@@ -68,28 +74,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure the trained policy of a token-sequence run (its newest good checkpoint) "
                         "instead of an untrained one")
     d.add_argument("--output", default="runs/drift-study")
-    d.add_argument("--trust-run", action="store_true",
-                   help="open a run directory that is not signed with your key (another user's, another machine's, or "
-                        "an edited one); only its data is read (YAML, Parquet, tensors)")
-    d.add_argument("--trust-env-code", action="store_true",
-                   help="import the env a run directory's config.yaml names by import path (module:Class): that runs "
-                        "the code it names, which a run from elsewhere may have chosen")
+    d.add_argument("--trust-run", action="store_true", help=TRUST_RUN_HELP)
+    d.add_argument("--trust-env-code", action="store_true", help=TRUST_ENV_CODE_HELP)
     r = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained plots of a run)")
     r.add_argument("run_dir")
-    r.add_argument("--trust-run", action="store_true",
-                   help="open a run directory that is not signed with your key (another user's, another machine's, or "
-                        "an edited one); only its data is read (YAML, Parquet, tensors)")
+    r.add_argument("--trust-run", action="store_true", help=TRUST_RUN_HELP)
     e = sub.add_parser("evaluate", help="load a run's last checkpoint and report the mean return (greedy), "
                                         "or per task with sampled and greedy actions for a multi-task env")
     e.add_argument("run_dir")
     e.add_argument("--episodes", type=int, default=None,
                    help="episodes (default 10); per task and mode for a multi-task env (default 16)")
-    e.add_argument("--trust-run", action="store_true",
-                   help="open a run directory that is not signed with your key (another user's, another machine's, or "
-                        "an edited one); only its data is read (YAML, Parquet, tensors)")
-    e.add_argument("--trust-env-code", action="store_true",
-                   help="import the env a run directory's config.yaml names by import path (module:Class): that runs "
-                        "the code it names, which a run from elsewhere may have chosen")
+    e.add_argument("--trust-run", action="store_true", help=TRUST_RUN_HELP)
+    e.add_argument("--trust-env-code", action="store_true", help=TRUST_ENV_CODE_HELP)
     return p
 
 
