@@ -35,7 +35,6 @@ from moe_rl.app.run_signature import not_users_own
 from moe_rl.app.train import ensure_ray, fail, train_loop
 from moe_rl.core.settings import ConfigError, saved_run_config
 
-
 TRUST_RUN_HELP = ("open a run directory that is not signed with your key (another user's, another machine's, or "
                   "an edited one); only its data is read (YAML, Parquet, tensors)")
 TRUST_ENV_CODE_HELP = ("import the env a run directory's config.yaml names by import path (module:Class): that runs "
