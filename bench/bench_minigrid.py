@@ -13,7 +13,9 @@ Arms (each one process per seed, its own local Ray, timed from process start):
                (e.g. moe_k4=moe.top_k=4: every expert active), to find out what moves the result
 
 Budget: 200 k env steps per task (MT3 600 k). After training: 16 episodes per task with sampled
-actions (the headline, MOORE's "average return") and 16 greedy. Each run's result is one JSON file
+actions (MOORE's "average return") and 16 greedy. The comparison's headline is the final training
+return (the last iterations' episodes): the 16 evaluation episodes are seeded by the run's seed, so
+a memoryless policy's guesses on MemoryS11 decide their sign (BENCHMARKS.md). Each run's result is one JSON file
 under --results (arm, suite, seed): an interrupted bench resumes by running only what is missing.
 """
 from __future__ import annotations
