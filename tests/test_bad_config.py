@@ -7,6 +7,7 @@ import ray
 
 from moe_rl import MoEPPOConfig
 from moe_rl.app.cli import main
+from moe_rl.app.run_config import SECTIONS, TOP_LEVEL
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.gate import CONSISTENCY_DEFAULTS
 from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, WEIGHT_SYNC_DEFAULTS
@@ -42,6 +43,7 @@ CASES = [
     ("consistency.thresholds.k9=1", "consistency.thresholds.k9"), ("deepspeed.zero=3", "deepspeed.zero"),
     ("stability.clip=1", "stability.clip"), ("stability.optimizer=sgd", "stability.optimizer"),
     ("stability.lr_schedules.decoder.schedule=constant", "stability.lr_schedules"),
+    ("learners.num_learner=2", "learners.num_learner"),
     ("moe.policy_head=triple", "moe.policy_head"), ("nonsense=1", "nonsense"), ("env=NoSuchEnv-v0", "env"),
     # incompatible combinations
     ("moe.ep_size=3", "moe.ep_size"), ("deepspeed.config.zero_optimization.stage=3",
@@ -67,8 +69,14 @@ def test_ep_size_not_dividing_learners():
     assert not ray.is_initialized()
 
 
-def test_case_count():
-    assert len(CASES) >= 30
+def test_the_cases_cover_every_section_of_a_run_config():
+    """Each section of a run config (run_config.SECTIONS) has a case, every case names a section or
+    a top-level key (or the unknown one), and no override is there twice: a section added without
+    a case, or a case whose field is misspelt, fails here."""
+    fields = [field for _, field in CASES]
+    assert {f.split(".")[0] for f in fields if "." in f} == set(SECTIONS)
+    assert {f for f in fields if "." not in f} <= set(TOP_LEVEL) | {"nonsense"}
+    assert len({override for override, _ in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize("section, defaults", [("moe", MOE_DEFAULTS), ("deepspeed", DEEPSPEED_DEFAULTS),

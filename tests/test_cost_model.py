@@ -74,13 +74,11 @@ def test_gradient_all_reduce_uses_the_ring_factor_and_the_expert_data_parallel_g
     assert cm.step(dataclasses.replace(s, gpus=8))["expert_ar_bytes"] == 0          # ep == gpus: no replicas
 
 
-def test_the_object_store_sync_and_the_gathered_check_grow_with_the_cluster():
+def test_the_object_store_sync_grows_with_the_cluster():
     small, big = (cm.evaluate(dataclasses.replace(BASE, gpus=n)) for n in (64, 512))
     assert big["network_bytes"] == 8 * small["network_bytes"]       # one full model per rollout node
     assert big["sync_object_store_s"] > 4 * small["sync_object_store_s"]
     assert small["sync_bf16_s"] < small["sync_fp32_s"]
-    assert big["fetched_gathered_bytes"] > 5 * small["fetched_gathered_bytes"]   # every learner's state
-    assert big["check_actor_gathered_gb"] > 5 * small["check_actor_gathered_gb"]
 
 
 def test_the_collective_sync_and_the_check_at_the_source_do_not_grow_with_the_cluster():
@@ -93,8 +91,6 @@ def test_the_collective_sync_and_the_check_at_the_source_do_not_grow_with_the_cl
     assert bf16["sync_collective_s"] == pytest.approx(small["sync_collective_s"] / 2, rel=0.05)
     share = cm.evaluate(dataclasses.replace(BASE, param_sample=0.125))
     assert share["check_rollout_s"] == pytest.approx(small["check_rollout_s"] / 8)
-    # the gathered check (before) pulled every model into one process
-    assert small["check_gathered_s"] > 10 * small["check_s"]
 
 
 def test_cli_json_emits_the_sweep():

@@ -1,4 +1,6 @@
 """DeepSpeed-MoE learner group: real Ray actors, real DeepSpeed engines, ep_size=2 over gloo."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -85,17 +87,31 @@ def test_each_learner_holds_half_of_the_experts(group):
     assert all(s["peak_rss_mb"] > 0 for s in stats)
 
 
-def test_uneven_token_counts_with_token_dropping_do_not_crash(ray_local):
+def test_uneven_token_counts_drop_exactly_what_the_groups_capacity_leaves_out(ray_local):
+    """trainer_capacity_factor 1.0 on learners holding 50 and 7 tokens: every rank sizes its buffers
+    alike, by the larger capacity ceil(1.0 * 50 * 2 / 4) = 25 assignments per expert, so each rank
+    drops what its experts' loads exceed 25 by (counted here from the router's own choices). The
+    7 tokens are one state 7 times, all on the same 2 experts: with a capacity of its own (4) the
+    small rank would drop 6."""
     g = ds_config(trainer_capacity_factor=1.0).build_learner_group(env=ENV)
+    rng = np.random.default_rng(1)
+    obs = {0: torch.as_tensor(rng.uniform(-1, 1, (50, 4)), dtype=torch.float32),
+           1: torch.as_tensor(np.repeat(rng.uniform(-1, 1, (1, 4)), 7, axis=0), dtype=torch.float32)}
     try:
-        def forward(learner, n):
-            obs = batch(n[dist.get_rank()])[0]
-            out = learner.module["default_policy"].forward_train({Columns.OBS: obs})
-            return out[Columns.ACTION_DIST_INPUTS].shape[0], int(out[MOE_ROUTING][0].dropped.sum())
-        results = g.foreach_learner(forward, n={0: 50, 1: 7})
-        assert [r[0] for r in results] == [50, 7]
+        def forward(learner, obs):
+            out = learner.module["default_policy"].forward_train({Columns.OBS: obs[dist.get_rank()]})
+            return out[Columns.ACTION_DIST_INPUTS].shape[0], [(rec.top_k_indices.clone(), int(rec.dropped.sum()))
+                                                              for rec in out[MOE_ROUTING]]
+        results = g.foreach_learner(forward, obs=obs)
     finally:
         g.shutdown()
+    capacity = math.ceil(1.0 * 50 * 2 / 4)
+    assert [n for n, _ in results] == [50, 7]
+    dropped = [[d for _, d in layers] for _, layers in results]
+    expected = [[int((torch.bincount(topk.reshape(-1), minlength=4) - capacity).clamp_min(0).sum())
+                 for topk, _ in layers] for _, layers in results]
+    assert dropped == expected and len(dropped[0]) == 2      # both MoE layers
+    assert min(dropped[0]) > 0 and dropped[1] == [0, 0]      # the 50 overfill an expert; the 7 fit
 
 
 def test_deepspeed_learners_replay_the_token_trunks_capacity_drops(ray_local):

@@ -1,9 +1,13 @@
 """The stability toolkit's core (pure torch, no Ray): schedules, clipping, NaN-step skipping,
 router warm-up, winsorizing, projection, LAMB, anomaly detection, settings."""
 import math
+import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from torch import nn
 
 from moe_rl.core.anomaly import AnomalyDetector
@@ -12,7 +16,7 @@ from moe_rl.core.gradients import EXACT_QUANTILE_MAX, Lamb, abs_quantile, orthon
 from moe_rl.core.layer import MoELayer
 from moe_rl.core.routing import RoutingRecord
 from moe_rl.core.settings import ConfigError
-from moe_rl.core.stability import StabilityToolkit, expert_dropout_at, lr_at, set_expert_dropout, validate_stability
+from moe_rl.core.stability import StabilityToolkit, expert_dropout_at, set_expert_dropout, validate_stability
 
 pytestmark = pytest.mark.pure
 
@@ -48,30 +52,6 @@ def backward(model, scale=1.0):
 
 
 # --- schedules ---------------------------------------------------------------------------------------
-def test_scheduled_learning_rates_match_their_formulas():
-    cos = validate_stability({"lr_schedules": {"experts": {"schedule": "cosine", "lr": 3e-5, "eta_min": 1e-6,
-                                                           "t_max": 10000}}})["lr_schedules"]["experts"]
-    assert lr_at(cos, 0) == pytest.approx(3e-5)
-    assert lr_at(cos, 5000) == pytest.approx(1e-6 + (3e-5 - 1e-6) * 0.5)
-    assert lr_at(cos, 2500) == pytest.approx(1e-6 + (3e-5 - 1e-6) * (1 + math.cos(math.pi / 4)) / 2)
-    assert lr_at(cos, 10000) == pytest.approx(1e-6) and lr_at(cos, 20000) == pytest.approx(1e-6)
-
-    cyc = {"schedule": "cyclic", "lr": 1e-5, "max_lr": 1e-4, "step_size": 2000}
-    assert [lr_at(cyc, t) for t in (0, 1000, 2000, 3000, 4000, 6000)] == pytest.approx(
-        [1e-5, 5.5e-5, 1e-4, 5.5e-5, 1e-5, 1e-4])
-
-    sgdr = {"schedule": "cosine_restarts", "lr": 1e-3, "eta_min": 1e-6, "t_0": 2000, "t_mult": 2, "warmup_steps": 0}
-    # periods [0, 2000), [2000, 6000), [6000, 14000): each restarts at lr
-    assert [lr_at(sgdr, t) for t in (0, 2000, 6000, 14000)] == pytest.approx([1e-3] * 4)
-    assert lr_at(sgdr, 1000) == pytest.approx(1e-6 + (1e-3 - 1e-6) / 2)
-    assert lr_at(sgdr, 4000) == pytest.approx(1e-6 + (1e-3 - 1e-6) / 2)
-    assert lr_at({**sgdr, "t_mult": 1}, 2500) == pytest.approx(lr_at(sgdr, 500))
-
-    warm = {"schedule": "constant", "lr": 5e-6, "warmup_steps": 1000}
-    assert [lr_at(warm, t) for t in (0, 499, 999, 1000, 5000)] == pytest.approx(
-        [5e-9, 2.5e-6, 5e-6, 5e-6, 5e-6])
-
-
 def test_per_group_lrs_reach_the_optimizer_and_advance_only_on_applied_steps():
     model = TinyPolicy()
     tk = toolkit(model, lr_schedules={"router": {"schedule": "constant", "lr": 5e-6},
@@ -284,47 +264,70 @@ def test_policy_loss_swings_of_healthy_ppo_are_not_spikes():
     assert [(a["iteration"], a["metric"]) for a in alerts] == [(26, "policy_loss")]
 
 
-# A healthy quickstart at its small, frequent updates (seed 0, 98 iterations to a return of 490,
-# 2026-12-02): the pre-clip gradient norm and the mean KL per iteration. The former detector raised 7
-# alerts on it (the norm falling below 0.1x its median as the policy converged; 1.3 -> 13.6 and
-# 0.0057 -> 0.034 as spikes).
-QUICKSTART_GRAD_NORMS = [
-    0.909, 1.798, 1.028, 1.22, 1.58, 2.113, 2.79, 0.827, 2.162, 2.273, 3.204, 2.143, 0.874, 0.356, 0.752, 1.871,
-    4.144, 1.774, 4.552, 9.591, 2.589, 1.846, 2.988, 3.565, 9.674, 5.542, 0.928, 2.103, 1.972, 1.966, 1.634, 1.102,
-    2.374, 0.583, 0.921, 1.273, 1.961, 0.284, 1.368, 0.658, 1.609, 1.961, 4.365, 0.2, 1.168, 0.722, 1.574, 0.143,
-    1.298, 13.597, 0.669, 0.281, 0.108, 0.08, 0.108, 0.05, 0.148, 0.354, 0.622, 0.015, 0.049, 0.024, 0.098, 0.03,
-    0.277, 0.028, 0.024, 0.019, 0.011, 0.026, 0.02, 0.03, 0.018, 0.028, 0.038, 0.018, 0.016, 0.021, 0.022, 0.034,
-    0.034, 0.012, 0.018, 0.019, 0.033, 0.029, 0.012, 0.014, 0.017, 0.016, 0.032, 0.031, 0.02, 0.032, 0.022, 0.03,
-    0.047, 0.023]
-QUICKSTART_KL = [
-    0.0293, 0.0128, 0.0253, 0.0173, 0.0166, 0.0148, 0.01, 0.0116, 0.0143, 0.0108, 0.0113, 0.0078, 0.0102, 0.0081,
-    0.006, 0.0084, 0.0097, 0.0083, 0.0136, 0.0104, 0.0089, 0.014, 0.0106, 0.0111, 0.0188, 0.0179, 0.0056, 0.006,
-    0.018, 0.0087, 0.0081, 0.0097, 0.0059, 0.0084, 0.0065, 0.0049, 0.0107, 0.0089, 0.0081, 0.0054, 0.0133, 0.0078,
-    0.0115, 0.008, 0.0134, 0.0244, 0.0127, 0.0045, 0.0057, 0.0205, 0.0043, 0.0053, 0.0052, 0.0052, 0.0057, 0.0048,
-    0.0054, 0.0157, 0.0113, 0.0086, 0.0072, 0.0054, 0.0038, 0.0057, 0.0342, 0.0097, 0.0203, 0.0104, 0.0069, 0.0037,
-    0.0031, 0.0062, 0.0115, 0.0072, 0.0127, 0.016, 0.0061, 0.0045, 0.0084, 0.0152, 0.0142, 0.01, 0.0058, 0.0163,
-    0.032, 0.0101, 0.0077, 0.0118, 0.0195, 0.014, 0.0043, 0.0132, 0.0128, 0.0087, 0.0124, 0.0154, 0.0137, 0.006]
+def converging_run(seed, n=100):
+    """A healthy run that converges, generated (seeded; noise bounded at 2.5 sigma): the figures a
+    quickstart at its small, frequent updates shows over 100 iterations to a return of 490, which
+    the detector must not alert on (the former one raised 7 alerts on such a run):
+      - the return (a mean over 100 episodes) rising 20 -> 490 along a logistic, the value loss
+        10 -> 15 with it, each moving by less than 10 % an iteration;
+      - the pre-clip gradient norm: log-normal (sigma 0.5) around a level that falls 75x as the
+        policy converges, so the norm ends far below the run's median; outliers at 6x the level
+        while it falls (1.3 -> 13.6 in one iteration, at iteration 50 of 98);
+      - the mean KL: log-normal around 0.01, with 3x blips (0.0057 -> 0.034); the CV around 0.14,
+        with swings of 0.1 (0.116 -> 0.222, z = 6.1); PPO's surrogate swinging around 0;
+      - the value loss: three one-iteration jumps of 200x after 40 iterations, never in adjacent
+        ones (seeds 3 and 4 of the same bench: at 50 and 70).
+    Noisier figures early in a run are left out on purpose: with 10-30 iterations of history the
+    robust scale is itself noisy, and a value loss moving by more than 10 % an iteration there
+    alerts on a fraction of healthy seeds (clean_rows' N(0, 1) around 5 + 0.5 i: about 0.3 % of
+    seeds, at iterations 13-30, e.g. clean_rows(100, 62) at 13; i.i.d. log-normal noise of sigma 0.5:
+    15 %). The detector's early iterations are a known gap, not a property stated here.
+    """
+    rnd = random.Random(seed)
+
+    def noise():
+        return max(-2.5, min(2.5, rnd.gauss(0.0, 1.0)))
+
+    blips = set(rnd.sample(range(40, n - 1, 3), 3))
+    rows = []
+    for i in range(n):
+        converged = 1 / (1 + math.exp(-12 * (i / n - 0.55)))      # 0 -> 1 as the policy converges
+        level = 1.5 * (0.02 / 1.5) ** converged
+        outlier = 30 <= i < 60 and rnd.random() < 0.1
+        rows.append({
+            "iteration": i + 1, "episode_return_mean_100": (20 + 470 * converged) * math.exp(0.01 * noise()),
+            "policy_loss": 0.1 * noise(),
+            "vf_loss": 10 * (1 + 0.5 * converged) * math.exp(0.01 * noise()) * (200 if i + 1 in blips else 1),
+            "stability/grad_norm/total": 6 * level if outlier else level * math.exp(0.5 * noise()),
+            "mean_kl_loss": 0.01 * math.exp(0.5 * noise()) * (3 if rnd.random() < 0.05 else 1),
+            "moe/cv": 0.14 + 0.01 * noise() + (0.1 if rnd.random() < 0.05 else 0.0), "moe/active_experts": 8,
+            "moe/router_entropy_norm": 0.9 + 0.02 * noise(), "learner/rss_mb/rank0": 500 + 0.1 * i})
+    return rows
 
 
-@pytest.mark.parametrize("fault, expected", [
-    (None, []),
-    ({"iteration": 80, "stability/grad_norm/total": 20.0}, [(80, "stability/grad_norm/total", "breach")]),
-    ({"iteration": 80, "mean_kl_loss": 0.5}, [(81, "mean_kl_loss", "spike")]),
-    ({"iteration": 80, "moe/cv": 0.63}, [(81, "moe/cv", "spike")]),
-])
-def test_a_converging_quickstart_is_quiet_and_its_faults_are_not(fault, expected):
-    """Its value loss too: one-iteration jumps of 200x (seeds 3 and 4 of the same bench)."""
+def alerts_of(rows):
     d = detector()
-    alerts = []
-    for row, norm, kl in zip(clean_rows(len(QUICKSTART_KL)), QUICKSTART_GRAD_NORMS, QUICKSTART_KL):
-        row.update({"stability/grad_norm/total": norm, "mean_kl_loss": kl,
-                    "moe/cv": 0.14 + 0.01 * (row["iteration"] % 2)})
-        if row["iteration"] in (50, 70):
-            row["vf_loss"] *= 200
-        if fault and row["iteration"] >= fault["iteration"]:   # a fault persists
-            row.update({k: v for k, v in fault.items() if k != "iteration"})
-        alerts += d.observe(row)
-    assert [(a["iteration"], a["metric"], a["kind"]) for a in alerts] == expected
+    return [(a["iteration"], a["metric"], a["kind"]) for row in rows for a in d.observe(row)]
+
+
+@given(seed=st.integers(0, 2**32 - 1), at=st.integers(20, 99))
+@hypothesis_settings(max_examples=30, deadline=None)
+def test_a_converging_run_is_quiet_and_a_fault_that_persists_alerts_where_it_starts(seed, at):
+    """Whatever the seed: no alert on the healthy run; from iteration `at` on, a gradient norm 30x
+    the largest before it breaches at `at` (its band is relative to the run's median); a KL of 0.5
+    and a CV 0.5 higher (a bf16 rollout copy's 0.14 -> 0.63) spike at `at` and alert at `at` + 1,
+    when the next iteration confirms them."""
+    rows = converging_run(seed)
+    assert alerts_of(rows) == []
+    largest = max(r["stability/grad_norm/total"] for r in rows[:at - 1])
+    for metric, faulty, expected in (
+            ("stability/grad_norm/total", lambda v: 30 * largest, (at, "breach")),
+            ("mean_kl_loss", lambda v: 0.5, (at + 1, "spike")),
+            ("moe/cv", lambda v: v + 0.5, (at + 1, "spike"))):
+        run = [dict(r) for r in rows]
+        for row in run[at - 1:]:
+            row[metric] = faulty(row[metric])
+        assert alerts_of(run) == [(expected[0], metric, expected[1])]
 
 
 def test_health_breaches_alert_when_they_start_and_memory_growth_is_caught():

@@ -13,8 +13,11 @@ TEMPLATES = ("pretrain", "finetune", "multitask")
 
 @pytest.mark.parametrize("name", [f"{t}{size}" for t in TEMPLATES for size in ("", "_full")])
 def test_template_validates(name):
-    config = validate_run_config(load_run_config(os.path.join(ROOT, "configs", f"{name}.yaml")))
-    assert config.stability_settings   # every template sets the stability toolkit
+    """Every template sets the stability toolkit, and the built config holds what the file says."""
+    cfg = load_run_config(os.path.join(ROOT, "configs", f"{name}.yaml"))
+    config = validate_run_config(cfg)
+    assert cfg["stability"] and config.stability_settings == cfg["stability"]
+    assert {k: config.moe_settings[k] for k in cfg["moe"]} == cfg["moe"]
 
 
 @pytest.mark.slow

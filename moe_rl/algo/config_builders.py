@@ -197,8 +197,9 @@ class MoESections:
         """The stability toolkit. Defaults: moe_rl.core.stability.STABILITY_DEFAULTS.
 
         Args:
-            lr_schedules: parameter group (or "default": every other group) -> schedule spec
-                (moe_rl.core.stability.lr_at); groups without one follow training.lr.
+            lr_schedules: parameter group (or "default": every other group) -> schedule spec, run
+                by torch's schedulers (moe_rl.core.lr_schedules.torch_scheduler); a named group
+                follows its schedule alone, groups without one follow training.lr.
             grad_clip: base max-norm (None: off); a group's threshold is base x its factor.
             grad_clip_factors: parameter group -> clip factor (router 0.5, experts 3.0, ...).
             skip_nonfinite: a non-finite gradient on any learner skips the step on all.

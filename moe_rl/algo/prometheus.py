@@ -3,7 +3,7 @@
     exporter = PrometheusExporter(run="my_run")
     exporter.export(metrics_row(result), new_alerts)      # once per iteration, on the driver
 
-Every numeric column of the metrics row (moe_rl.app.run_dir.metrics_row) becomes a `ray.util.metrics`
+Every numeric column of the metrics row (moe_rl.algo.results.metrics_row) becomes a `ray.util.metrics`
 Gauge, one per metric family. Path components that name an instance become tags, the rest is the
 family name (joined with `_`, sanitised to [a-zA-Z0-9_], prefixed `moe_rl_`):
 
@@ -51,7 +51,7 @@ PREFIX = "moe_rl_"
 RAY_PREFIX = "ray_"                     # what Ray's Prometheus endpoint puts in front (Ray 2.60)
 SYNC_DECISIONS = PREFIX + "sync_decisions_total"
 ALERTS = PREFIX + "alerts_total"
-DECISIONS = ("sync", "warn", "hold", "rollback")   # moe_rl.core.drift.gate_decision
+DECISIONS = ("sync", "warn", "hold", "rollback")   # the sync gate's (moe_rl.core.gate.DECISIONS) but "stop"
 PER_EXPERT_MAX = 16
 NOT_GAUGES = ("drift/decision", "moe/health")      # strings: a counter, and moe/health_level
 NOT_GAUGE_PREFIXES = ("alerts/",)                   # alerts/total would clash with the counter

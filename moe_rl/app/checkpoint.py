@@ -10,15 +10,12 @@
                                      vs. the live learner module on a probe batch
     restore_checkpoint(algo, path)   verify, algo.restore_from_path, driver RNG state
     load_policy(checkpoint, cfg, ...) the policy a checkpoint holds (`moe-rl evaluate`, verification)
-    resume_config / model_conflicts  `moe-rl train --resume`: RUN_DIR/config.yaml, and what may not change
     recover_learners(algo, error, ...)  a dead DeepSpeed learner: rebuild the group, restore the newest good one
 """
 from __future__ import annotations
 
-import copy
 import glob
 import json
-import logging
 import os
 import pickle
 import random
@@ -31,7 +28,6 @@ import numpy as np
 import ray
 import torch
 import tree
-import yaml
 from ray.rllib.algorithms.ppo.ppo_catalog import PPOCatalog
 from ray.rllib.algorithms.ppo.torch.default_ppo_torch_rl_module import DefaultPPOTorchRLModule
 from ray.rllib.core import DEFAULT_MODULE_ID
@@ -55,11 +51,9 @@ from moe_rl.app.checkpoint_integrity import (  # noqa: F401  (names callers reac
     newest_checkpoint,
     verify_checkpoint,
 )
-from moe_rl.app.run_config import BUILDER_SECTIONS
 from moe_rl.app.run_signature import FIELD as SIGNATURE
 from moe_rl.app.run_signature import is_signed_by_user, is_signed_file, key_path, sign
 from moe_rl.core.errors import ConfigError
-from moe_rl.core.settings import MOE_DEFAULTS
 from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
@@ -325,90 +319,7 @@ def verify_weights(algo, path: str, run_config: Dict[str, Any], probe_size: int 
     return worst <= tol, worst
 
 
-# --- resume and learner failures ------------------------------------------------------------------
-MODEL_FIELDS = ("env", "env_config", "moe", "deepspeed.enabled", "deepspeed.config", "learners.num_learners")
-
-
-def _plain_yaml(v):
-    return yaml.safe_load(yaml.safe_dump(v))
-
-
-def _flat(value, prefix: str) -> Dict[str, Any]:
-    if isinstance(value, dict) and value:
-        out = {}
-        for k, v in value.items():
-            out.update(_flat(v, f"{prefix}.{k}"))
-        return out
-    return {prefix: value}
-
-
-def model_fields(resolved_config: Dict[str, Any]) -> Dict[str, Any]:
-    """The fields of a resolved run config that define the model and the checkpoint layout."""
-    out = {}
-    for field in MODEL_FIELDS:
-        node = resolved_config
-        for part in field.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        out.update(_flat(_plain_yaml(node), field))
-    return out
-
-
-def model_conflicts(saved: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
-    """(field, saved value, new value) for every model field that differs. A `moe` key the saved
-    config lacks (a run from before the key existed, e.g. moe.positions) counts as its default
-    (where such runs ran with something else, reading config.yaml filled it in: saved_run_config)."""
-    if isinstance(saved.get("moe"), dict):
-        saved = {**saved, "moe": {**MOE_DEFAULTS, **saved["moe"]}}
-    a, b = model_fields(saved), model_fields(new)
-    return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-
-
-class _DeprecationLog(logging.Handler):
-    """Catches (and keeps off the console) RLlib's deprecation notices while a key is tried."""
-
-    def __init__(self):
-        super().__init__()
-        self.deprecated = False
-        self._logger = logging.getLogger("ray._common.deprecation")   # RLlib's deprecation_warning
-
-    def emit(self, record) -> None:
-        self.deprecated |= "DeprecationWarning" in record.getMessage()
-
-    def __enter__(self):
-        self._propagate, self._logger.propagate = self._logger.propagate, False
-        self._logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._logger.removeHandler(self)
-        self._logger.propagate = self._propagate
-
-
-def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
-    """RUN_DIR/config.yaml as a run config again. It lists every resolved builder key, some of
-    which RLlib refuses to be given (deprecated aliases, whatever their value): those are dropped."""
-    cfg = copy.deepcopy(saved)
-    cfg.pop("ray_address", None)
-    for section in BUILDER_SECTIONS:
-        if not isinstance(cfg.get(section) or {}, dict):
-            continue   # validate_run_config names it
-        kept = {}
-        for k, v in (cfg.get(section) or {}).items():
-            with _DeprecationLog() as log:
-                try:
-                    getattr(MoEPPOConfig(), section)(**{k: v})
-                except (ValueError, TypeError, DeprecationWarning):
-                    continue
-            if not log.deprecated:   # an alias RLlib accepts with a warning: it lives in another section
-                kept[k] = v
-        cfg[section] = kept
-    ds, moe = cfg.get("deepspeed") or {}, cfg.get("moe") or {}
-    sections = isinstance(ds, dict) and isinstance(moe, dict)
-    if sections and ds.get("enabled") == (moe.get("ep_size", 1) > 1 or bool(ds.get("config"))):
-        ds["enabled"] = None  # resolved from the default (auto): a changed layout is reported as such
-    return cfg
-
-
+# --- learner failures ---------------------------------------------------------------------------
 class LearnerFailure(RuntimeError):
     """A learner died and the run stops; str() is one line naming it and how to --resume."""
 

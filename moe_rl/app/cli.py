@@ -29,6 +29,7 @@ from moe_rl.app import console
 from moe_rl.app.drift_study import SOURCES, run_study, trained_policy
 from moe_rl.app.evaluate import evaluate_run, evaluate_tasks
 from moe_rl.app.report import write_report
+from moe_rl.app.resume import model_conflicts, resume_config
 from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
 from moe_rl.app.run_dir import RunDir
 from moe_rl.app.run_signature import not_users_own
@@ -108,10 +109,10 @@ def cmd_train(args) -> int:
         if args.resume:
             saved, resume = _resume_source(args)
             try:   # the run's own file first, so its faults are named as its own, not a flag's
-                validate_run_config(ck.resume_config(saved))
+                validate_run_config(resume_config(saved))
             except ConfigError as e:
                 raise ConfigError(f"--resume: {args.resume!r} config.yaml: {e}") from None
-            cfg, config = build(ck.resume_config(saved))   # authenticated (or trusted): its env code too
+            cfg, config = build(resume_config(saved))   # authenticated (or trusted): its env code too
             _check_resume(args, saved, resolved(cfg, config),
                           lambda: resolved(*build(load_run_config(args.config))) if args.config else None)
         else:
@@ -155,7 +156,7 @@ def _resume_source(args):
 def _check_resume(args, saved, new, other_config) -> None:
     """Flags and --set may change how the run goes on (iterations, checkpointing, runners, ...),
     never the model or the learner layout the checkpoint holds; nor may a --config."""
-    conflicts = ck.model_conflicts(saved, new)
+    conflicts = model_conflicts(saved, new)
     if conflicts:
         flags = (("env", "--env", args.env), ("learners.num_learners", "--num-learners", args.num_learners),
                  ("moe.ep_size", "--ep-size", args.ep_size))
@@ -169,7 +170,7 @@ def _check_resume(args, saved, new, other_config) -> None:
         raise ConfigError(f"{flag}: --resume cannot change the model: {field} is {old!r} in the run's "
                           f"config.yaml, got {got!r}")
     other = other_config()
-    conflicts = ck.model_conflicts(saved, other) if other else []
+    conflicts = model_conflicts(saved, other) if other else []
     if conflicts:
         field, old, got = conflicts[0]
         raise ConfigError(f"--config: conflicts with the run being resumed: {field} is {old!r} in its "

@@ -12,7 +12,8 @@ from ray.rllib.core.columns import Columns
 
 import moe_rl.envs  # noqa: F401  registers moe_rl/ envs
 from moe_rl.algo.multi_agent import import_path, validate_multi_agent
-from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy, resume_config
+from moe_rl.app.checkpoint import latest_good_checkpoint, load_policy
+from moe_rl.app.resume import resume_config
 from moe_rl.app.run_config import load_run_config, validate_run_config
 from moe_rl.app.run_signature import not_users_own
 from moe_rl.core.errors import ConfigError

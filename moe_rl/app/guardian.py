@@ -55,10 +55,6 @@ class Guardian:
         except OSError:
             pass   # the guardian is gone: the run goes on without it
 
-    def write_now(self, text: str) -> None:
-        """Straight to the real stderr, for a process about to end with os._exit."""
-        os.write(self.original_stderr, text.encode())
-
     def finish(self) -> None:
         """The trainer ends on its own terms (it wrote INCOMPLETE itself where needed)."""
         if self._ctl is None:

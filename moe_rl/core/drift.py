@@ -77,28 +77,6 @@ def routing_agreement(trainer_topk, rollout_topk) -> Dict[str, float]:
     return out
 
 
-def param_divergence(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor],
-                     atol: float, rtol: float = 0.0):
-    """Per-tensor max |delta| between two state dicts (e.g. learner vs rollout copy).
-    A tensor breaches when max|delta| > atol + rtol * max|reference| (rtol covers a bf16 copy).
-    Returns (worst max|delta|, {name: (max_diff, threshold)} over threshold, names in only one)."""
-    breaches, worst = {}, 0.0
-    mismatched = sorted(set(reference) ^ set(other))
-    for name in sorted(set(reference) & set(other)):
-        a, b = torch.as_tensor(reference[name]).double(), torch.as_tensor(other[name]).double()
-        if a.shape != b.shape:
-            mismatched.append(name)
-            continue
-        if not a.numel():
-            continue
-        d = (a - b).abs().max().item()
-        worst = max(worst, d)
-        thr = atol + rtol * a.abs().max().item()
-        if d > thr:
-            breaches[name] = (d, thr)
-    return worst, breaches, mismatched
-
-
 def policy_kl(old_logits: torch.Tensor, new_logits: torch.Tensor, discrete: bool) -> float:
     """Mean KL(old || new) per observation: exact for Categorical and diagonal Gaussian
     ([mean, log_std] halves), i.e. K3's expectation under the old policy."""

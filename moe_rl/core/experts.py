@@ -33,10 +33,15 @@ from torch import nn
 
 from moe_rl.core.errors import need
 
-# torch's CPU tanh is scalar code (about 2.2 ns an element on the development machine, against
-# 0.23 for sigmoid), so from 16k elements on tanh(x) = 2 sigmoid(2x) - 1 is 2-4x faster, forward
-# and backward; it stays within 2e-7 of torch.tanh. Smaller tensors (rollout steps) keep torch.tanh:
-# there the extra ops cost more than they save.
+# torch's CPU tanh is much slower than its sigmoid, so from 16k fp32 elements on tanh(x) =
+# 2 sigmoid(2x) - 1, with tanh's own backward, is faster; it stays within 2e-7 of torch.tanh.
+# Forward + backward, torch 2.13 on a 2-core AMD EPYC (AVX-512), 1 thread (a learner's),
+# median of 31 interleaved runs: the trunk's [256, 64] 50 -> 36 us, the grouped experts' hidden
+# [8, 73, 64] (8 experts, 256 tokens) 99 -> 50 us, [32, 27, 64] (32 experts) 142 -> 61 us,
+# [256, 512] 311 -> 127 us (2 threads: even at [256, 64], 1.4-1.8x on the others); a whole MoE layer
+# (d 64, 8 / 32 experts, top-2, 256 tokens) 2-4 % / 11-15 % faster. The same formula through plain
+# autograd (no Function) is 20-37 % slower than this.
+# Smaller tensors (rollout steps) keep torch.tanh: there the extra ops cost more than they save.
 FAST_TANH_MIN_ELEMENTS = 1 << 14
 
 

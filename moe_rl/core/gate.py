@@ -23,6 +23,7 @@ run never trips them; only hard faults (non-finite weights, corrupted copies) ar
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
@@ -153,10 +154,8 @@ class RelativeLimit:
     def limit(self) -> Optional[float]:
         if len(self.values) < self.warmup:
             return None
-        xs = sorted(self.values)
-        n = len(xs)
-        med = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-        mad = sorted(abs(x - med) for x in xs)[n // 2]
+        med = statistics.median(self.values)
+        mad = statistics.median(abs(x - med) for x in self.values)
         return med + self.z * max(1.4826 * mad, self.MEDIAN_SHARE * abs(med), self.floor)
 
     def accept(self, value: float) -> None:
@@ -192,8 +191,7 @@ class GateState:
         # next full-LR update fails again) also reaches the stop.
         self.rollbacks_recent = 0
         self.passes_in_a_row = 0
-        self.counts = {"repairs": 0, "resyncs": 0, "holds": 0, "rollbacks": 0, "mismatch_reports": 0,
-                       "all_rejected": 0}
+        self.counts = {"holds": 0, "rollbacks": 0, "mismatch_reports": 0, "all_rejected": 0}
 
     def _limit(self, key: str) -> RelativeLimit:
         if key not in self.limits:
@@ -305,7 +303,7 @@ class GateState:
         self.rollbacks_in_a_row = int(state.get("rollbacks_in_a_row", 0))
         self.rollbacks_recent = int(state.get("rollbacks_recent", self.rollbacks_in_a_row))
         self.passes_in_a_row = int(state.get("passes_in_a_row", 0))
-        self.counts.update(state.get("counts", {}))
+        self.counts.update({k: int(v) for k, v in state.get("counts", {}).items() if k in self.counts})
 
 
 def _worst(found: List[Tuple[str, float, float]]) -> Tuple[str, float, float]:

@@ -1,9 +1,9 @@
 """Load-balance and routing health metrics (pure torch).
 
 The raw figures of each layer: utilisation shares (min, max), CV of the expert counts, active
-experts, router entropy (mean per state, in nats and normalised by ln N; the seeds' "entropy"
-snippet computed sum p log p, i.e. the negative), and `load_grade`, the seeds' LM pre-training table
-in shared/README.md (N experts, utilisation u_i = tokens_i / total), the worst of:
+experts, router entropy (-sum p ln p, mean per state, in nats and normalised by ln N), and
+`load_grade`, an LM pre-training utilisation table (docs/stability.md, "The load table"; N experts,
+utilisation u_i = tokens_i / total), the worst of:
 
 | metric | healthy  | warning      | danger   |
 | min u  | > 0.8/N  | 0.3/N..0.8/N | < 0.3/N  |
@@ -46,7 +46,7 @@ def _grade(value: float, healthy, danger, higher_is_better: bool) -> int:
 
 def balance_metrics(counts: torch.Tensor) -> Dict[str, float]:
     """counts: [N] -> utilisation extremes, CV (population std / mean), active experts and the
-    seeds' table's grade `load_grade`: 0 healthy, 1 warning, 2 danger (GRADES names it)."""
+    load table's grade `load_grade`: 0 healthy, 1 warning, 2 danger (GRADES names it)."""
     n = counts.numel()
     c = counts.double()
     total = c.sum().item()

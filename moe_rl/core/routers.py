@@ -56,7 +56,7 @@ class Router(nn.Module):
         self.normalize_gates = normalize_gates
         width = input_dim or d_model
         hidden = []
-        for _ in range(mlp_depth):  # optional deeper router (seed 000's architecture finding)
+        for _ in range(mlp_depth):  # optional deeper router (moe.router_kwargs: mlp_depth, mlp_width)
             hidden += [nn.Linear(width, mlp_width or width), nn.ReLU()]
             width = mlp_width or width
         self.hidden = nn.Sequential(*hidden)

@@ -203,6 +203,10 @@ def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int)
     _need(isinstance(cfg, dict), "deepspeed.config", "a dict or a JSON file path", cfg)
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
     _need(stage in (0, 1, 2), "deepspeed.config.zero_optimization.stage", "0, 1 or 2 (dense part only)", stage)
+    # One LR system per parameter group (docs/stability.md, "Learning rates"): DeepSpeed's scheduler
+    # would step every group alike, under the toolkit's per-group LRs.
+    _need("scheduler" not in cfg, "deepspeed.config.scheduler",
+          "absent (LRs come from training.lr and stability.lr_schedules)", cfg.get("scheduler"))
     d["config"] = cfg
     enabled = d["enabled"]
     _need(enabled is None or isinstance(enabled, bool), "deepspeed.enabled", "true, false or null", enabled)

@@ -5,7 +5,7 @@ One optimizer step of a learner, with the toolkit on:
     grads -> collective finiteness check (skip the step on every learner together)
           -> winsorize each tensor at quantile p -> project onto a low-rank subspace
           -> per-group norms (global over expert shards) -> per-group clipping
-          -> router-only warm-up mask -> per-group scheduled LR -> optimizer.step()
+          -> router-only warm-up mask -> per-group LR -> optimizer.step()
 
 Parameter groups are found by module path (tensors have no `.name`): router, shared_expert,
 experts, policy_head, value_head, other (`moe_rl.core.param_groups`).
@@ -23,21 +23,21 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from moe_rl.core.gradients import Lamb, orthonormal_basis, project_, winsorize_
+from moe_rl.core.lr_schedules import GroupLR, positive_int, validate_schedule
 from moe_rl.core.param_groups import PARAM_GROUPS, param_group
 from moe_rl.core.settings import _is_int, _is_num, _need
 
-SCHEDULES = ("constant", "cosine", "cyclic", "cosine_restarts")
 OPTIMIZERS = ("adam", "adamw", "lamb")
-SCHEDULE_KEYS = {"constant": (), "cosine": ("eta_min", "t_max"), "cyclic": ("max_lr", "step_size"),
-                 "cosine_restarts": ("eta_min", "t_0", "t_mult")}
 
-# The seeds' per-group clip factors (x grad_clip): routers are the most fragile part of an MoE.
+# Per-group clip factors (x grad_clip): routers are the most fragile part of an MoE, the experts'
+# stacked tensors the largest (docs/stability.md, the toolkit table).
 DEFAULT_CLIP_FACTORS = {"router": 0.5, "shared_expert": 2.0, "experts": 3.0,
                         "policy_head": 1.0, "value_head": 1.0, "other": 1.0}
 
 STABILITY_DEFAULTS: Dict[str, Any] = {
-    "lr_schedules": {},            # group (or "default": every other group) -> schedule spec (see lr_at);
-                                   # groups without one follow training.lr
+    "lr_schedules": {},            # group (or "default": every other group) -> schedule spec, run by
+                                   # torch's schedulers (torch_scheduler); a named group follows its
+                                   # schedule alone, the others follow training.lr (RLlib's lr or its schedule)
     "grad_clip": None,             # base max-norm (None: off); group threshold = base x factor
     "grad_clip_factors": dict(DEFAULT_CLIP_FACTORS),
     "skip_nonfinite": True,        # a non-finite gradient on any learner skips the step on all
@@ -66,31 +66,6 @@ STABILITY_DEFAULTS: Dict[str, Any] = {
 
 
 # --- settings ---------------------------------------------------------------------------------------
-def _positive_int(v) -> bool:
-    return _is_int(v) and v >= 1
-
-
-def _validate_schedule(group: str, spec: Any) -> Dict[str, Any]:
-    f = f"stability.lr_schedules.{group}"
-    _need(isinstance(spec, dict), f, "a mapping with a 'schedule' key", spec)
-    kind = spec.get("schedule")
-    _need(kind in SCHEDULES, f"{f}.schedule", f"one of {SCHEDULES}", kind)
-    allowed = {"schedule", "lr", "warmup_steps", *SCHEDULE_KEYS[kind]}
-    unknown = sorted(set(spec) - set(allowed))
-    _need(not unknown, f"{f}.{unknown[0] if unknown else ''}", f"one of {sorted(allowed)} for {kind}",
-          unknown[0] if unknown else None)
-    s = {"eta_min": 0.0, "t_mult": 1, "warmup_steps": 0, **spec}
-    for k in ("lr", "eta_min", "max_lr"):
-        if k in allowed:
-            _need(k in s and _is_num(s[k]) and s[k] >= 0, f"{f}.{k}", "a finite number >= 0", s.get(k))
-    for k in ("t_max", "step_size", "t_0", "t_mult"):
-        if k in allowed:
-            _need(k in s and _positive_int(s[k]), f"{f}.{k}", "an int >= 1", s.get(k))
-    _need(_is_int(s["warmup_steps"]) and s["warmup_steps"] >= 0, f"{f}.warmup_steps", "an int >= 0",
-          s["warmup_steps"])
-    return s
-
-
 def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
     """Defaults merged in and every `stability.*` field checked; returns the full settings."""
     unknown = sorted(set(d) - set(STABILITY_DEFAULTS))
@@ -101,7 +76,7 @@ def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
           s["lr_schedules"])
     for g, spec in list(s["lr_schedules"].items()):
         _need(g in PARAM_GROUPS + ("default",), "stability.lr_schedules", f"keys from {PARAM_GROUPS} or 'default'", g)
-        s["lr_schedules"][g] = _validate_schedule(g, spec)
+        s["lr_schedules"][g] = validate_schedule(g, spec)
     _need(s["grad_clip"] is None or (_is_num(s["grad_clip"]) and s["grad_clip"] > 0), "stability.grad_clip",
           "null (off) or a number > 0", s["grad_clip"])
     factors = s["grad_clip_factors"]
@@ -115,7 +90,7 @@ def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
     p = s["winsorize_p"]
     _need(p is None or (_is_num(p) and 0 < p < 0.5), "stability.winsorize_p", "null or a number in (0, 0.5)", p)
     r = s["projection_rank"]
-    _need(r is None or _positive_int(r), "stability.projection_rank", "null or an int >= 1", r)
+    _need(r is None or positive_int(r), "stability.projection_rank", "null or an int >= 1", r)
     pg = s["projection_groups"]
     _need(isinstance(pg, (list, tuple)) and all(g in PARAM_GROUPS for g in pg), "stability.projection_groups",
           f"a list from {PARAM_GROUPS}", pg)
@@ -128,7 +103,7 @@ def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
         for k in ("start", "end"):
             _need(_is_num(ed[k]) and 0 <= ed[k] < 1, f"stability.expert_dropout_schedule.{k}",
                   "a number in [0, 1)", ed[k])
-        _need(_positive_int(ed["steps"]), "stability.expert_dropout_schedule.steps", "an int >= 1", ed["steps"])
+        _need(positive_int(ed["steps"]), "stability.expert_dropout_schedule.steps", "an int >= 1", ed["steps"])
     _need(s["optimizer"] in OPTIMIZERS, "stability.optimizer", f"one of {OPTIMIZERS}", s["optimizer"])
     _need(_is_num(s["weight_decay"]) and s["weight_decay"] >= 0, "stability.weight_decay", "a number >= 0",
           s["weight_decay"])
@@ -149,43 +124,6 @@ def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
         _need(isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_num(x) for x in v) and 0 <= v[0] < v[1],
               f"stability.{f}", "[low, high] with 0 <= low < high", v)
     return s
-
-
-# --- schedules --------------------------------------------------------------------------------------
-def lr_at(spec: Dict[str, Any], step: int) -> float:
-    """Learning rate of a validated schedule spec before applied step `step` (0-based).
-
-    constant         lr
-    cosine           eta_min + (lr - eta_min)(1 + cos(pi min(t, T) / T)) / 2
-    cyclic           triangular between lr and max_lr, half-period step_size
-    cosine_restarts  SGDR: cosine over periods t_0, t_0 t_mult, t_0 t_mult^2, ...
-    warmup_steps w   linear ramp lr_0 (t+1)/w for t < w; the schedule then starts at t - w
-    """
-    w = spec.get("warmup_steps", 0)
-    if step < w:
-        return _schedule(spec, 0) * (step + 1) / w
-    return _schedule(spec, step - w)
-
-
-def _schedule(s: Dict[str, Any], t: int) -> float:
-    kind, lr = s["schedule"], s["lr"]
-    if kind == "constant":
-        return lr
-    if kind == "cosine":
-        T = s["t_max"]
-        return s["eta_min"] + (lr - s["eta_min"]) * (1 + math.cos(math.pi * min(t, T) / T)) / 2
-    if kind == "cyclic":
-        size = s["step_size"]
-        cycle = math.floor(1 + t / (2 * size))
-        x = abs(t / size - 2 * cycle + 1)
-        return lr + (s["max_lr"] - lr) * max(0.0, 1 - x)
-    t0, mult = s["t_0"], s["t_mult"]
-    if mult == 1:
-        t_cur, t_i = t % t0, t0
-    else:
-        n = int(math.floor(math.log(t / t0 * (mult - 1) + 1, mult)))
-        t_cur, t_i = t - t0 * (mult ** n - 1) // (mult - 1), t0 * mult ** n
-    return s["eta_min"] + (lr - s["eta_min"]) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
 
 
 def expert_dropout_at(spec: Optional[Dict[str, Any]], step: int) -> Optional[float]:
@@ -245,6 +183,12 @@ class StabilityToolkit:
                                     for n, _ in self.named], dtype=torch.long)
         self.all_reduce_sum, self.world, self.ep = all_reduce_sum, world_size, ep_size
         self.step_count = 0       # applied optimizer steps: what every schedule counts
+        # One GroupLR per lr_schedules key; each group follows its own key's, else "default"'s, else
+        # none (training.lr: RLlib's lr, passed in as base_lr).
+        schedules = settings["lr_schedules"]
+        self._schedules = {key: GroupLR(spec) for key, spec in schedules.items()}
+        self._schedule_of = {g: g if g in schedules else "default" for g in self.groups
+                             if g in schedules or "default" in schedules}
         self.skipped = 0          # lifetime skipped (non-finite) steps
         self.last_stats: Dict[str, float] = {}   # the latest step's figures (the learner logs them)
         self._bases: Dict[str, torch.Tensor] = {}
@@ -272,12 +216,14 @@ class StabilityToolkit:
                    **({"fused": True} if fused else {"foreach": True}))
 
     def lr_of(self, group: str, base_lr: float) -> float:
-        schedules = self.s["lr_schedules"]
-        spec = schedules.get(group, schedules.get("default"))
-        return base_lr if spec is None else lr_at(spec, self.step_count)
+        """The group's LR for the next applied step: its schedule's, else base_lr (RLlib's lr)."""
+        key = self._schedule_of.get(group)
+        return base_lr if key is None else self._schedules[key].lr
 
-    def set_lrs(self, optimizer: torch.optim.Optimizer, base_lr: float) -> Dict[str, float]:
-        lrs = {g: self.lr_of(g, base_lr) for g in self.groups}
+    def set_lrs(self, optimizer: torch.optim.Optimizer, base_lr: float, scale: float = 1.0) -> Dict[str, float]:
+        """Every tagged param group's LR for the next applied step, times `scale` (the sync gate's
+        slower retry after a rollback scales every group)."""
+        lrs = {g: self.lr_of(g, base_lr) * scale for g in self.groups}
         for pg in optimizer.param_groups:
             g = pg.get("moe_rl_group")
             if g is not None:
@@ -285,14 +231,16 @@ class StabilityToolkit:
         return lrs
 
     # gradients --------------------------------------------------------------------------------------
-    def process(self, base_lr: float, optimizer: torch.optim.Optimizer) -> bool:
-        """Run the pipeline on the parameters' .grad in place; True: apply the step. Its figures
-        update `last_stats`. Collective: every learner calls it once per step, in the same order."""
-        apply, stats = self._process(base_lr, optimizer)
+    def process(self, base_lr: float, optimizer: torch.optim.Optimizer, scale: float = 1.0) -> bool:
+        """Run the pipeline on the parameters' .grad in place; True: apply the step (the optimizer's
+        groups then hold their LRs: set_lrs). Its figures update `last_stats`. Collective: every
+        learner calls it once per step, in the same order."""
+        apply, stats = self._process(base_lr, optimizer, scale)
         self.last_stats.update(stats)
         return apply
 
-    def _process(self, base_lr: float, optimizer: torch.optim.Optimizer) -> Tuple[bool, Dict[str, float]]:
+    def _process(self, base_lr: float, optimizer: torch.optim.Optimizer,
+                 scale: float) -> Tuple[bool, Dict[str, float]]:
         s = self.s
         present = [i for i, (_, p) in enumerate(self.named) if p.grad is not None]
         grads = [(self.named[i][0], self.named[i][1].grad) for i in present]
@@ -334,10 +282,12 @@ class StabilityToolkit:
             for n, p in self.named:   # grad None: Adam/LAMB skip the tensor, moments included
                 if self.group_of[n] != "router":
                     p.grad = None
-        stats.update({f"stability/lr/{g}": lr for g, lr in self.set_lrs(optimizer, base_lr).items()})
+        stats.update({f"stability/lr/{g}": lr for g, lr in self.set_lrs(optimizer, base_lr, scale).items()})
         stats["stability/skipped_steps"] = float(self.skipped)
         stats["stability/router_warmup"] = float(self.step_count < s["router_warmup_steps"])
         self.step_count += 1
+        for schedule in self._schedules.values():
+            schedule.step()
         return True, stats
 
     def _clip(self, sq: Dict[str, float], stats: Dict[str, float]) -> None:
@@ -369,4 +319,6 @@ class StabilityToolkit:
 
     def set_state(self, state: Dict[str, Any]) -> None:
         self.step_count, self.skipped = int(state["step_count"]), int(state["skipped"])
+        for schedule in self._schedules.values():
+            schedule.seek(self.step_count)
         self._bases = {n: torch.as_tensor(b) for n, b in state.get("bases", {}).items()}

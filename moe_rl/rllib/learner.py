@@ -1,10 +1,16 @@
 """MoEPPOTorchLearner: RLlib's PPO loss plus the MoE router losses, health metrics and the
 stability toolkit (per-group LR and clipping, NaN-step skipping, ...: moe_rl.core.stability).
 
+Learning rates, one system per parameter group: a group that `stability.lr_schedules` names (or
+covers with "default") follows that schedule alone (torch's schedulers, counted in applied
+optimizer steps); every other group follows RLlib's `lr`, a number or RLlib's own schedule over
+sampled env steps (RLlib's Scheduler, updated once per update). The sync gate's rollback retry
+scales every group (lr_scale). docs/stability.md, "Learning rates".
+
 It also offers the weights the way the rest of the system sees them: under global names, as
 numpy, per module (`shard`, `shard_digests`, `weight_stats`, `load_shards`), and the trainer's own
 forward on rollout data (`trainer_view`). The DeepSpeed learner overrides the first ones with its
-expert-parallel part; the learner groups (moe_rl.algo.learner_groups, actors.learner_group) call them.
+expert-parallel part; the learner groups (moe_rl.rllib.learner_group, actors.learner_group) call them.
 """
 from __future__ import annotations
 
@@ -16,19 +22,16 @@ import tree
 from ray.rllib.algorithms.ppo.torch.ppo_torch_learner import PPOTorchLearner
 from ray.rllib.core import COMPONENT_OPTIMIZER, COMPONENT_RL_MODULE
 from ray.rllib.core.columns import Columns
-from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from ray.rllib.evaluation.postprocessing import Postprocessing
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from moe_rl.core.balance import AdaptiveBalance
 from moe_rl.core.correction import active, correct, resolve_correction, sequence_ids
-from moe_rl.core.digests import Sample, state_digests
+from moe_rl.core.errors import ConfigError
 from moe_rl.core.health import HealthWatch
 from moe_rl.core.losses import moe_aux_losses, reinforce_router_loss, replay_anchor_loss
 from moe_rl.core.metrics import expert_counts, health_summary
-from moe_rl.core.param_groups import param_group
 from moe_rl.core.routers import Router, balancing_routers
-from moe_rl.core.sharding import assemble_modules, canonical_views, stack_experts
 from moe_rl.core.stability import (
     StabilityToolkit,
     expert_dropout_at,
@@ -40,6 +43,7 @@ from moe_rl.core.state_copy import keep_state, restore_state
 from moe_rl.rllib.correction import RolloutCorrection, SkippedSteps, routing_flags
 from moe_rl.rllib.replay import MismatchedReplay
 from moe_rl.rllib.rl_module import MOE_ROUTING, MOE_TOPK, MoEPolicyModule, module_dormancy
+from moe_rl.rllib.weight_publishing import WeightPublisher, copied_tensor
 
 STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"      # PPO's adaptive KL coefficients (RLlib's state leaves them out)
@@ -48,22 +52,7 @@ BALANCE_STATE = "moe_rl_balance"
 SKIPPED_STEPS = "moe_rl_skipped_steps"   # steps and updates skipped because the correction kept no step
 
 
-def _copied_tensor(x) -> torch.Tensor:
-    """A tensor of its own: numpy arrays from Ray's object store are read-only, and torch warns
-    about sharing their memory."""
-    return torch.from_numpy(np.array(x))
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN or inf in t: aminmax propagates both, in one pass without a bool copy (10-25x faster
-    than isfinite().all() on an 8.4 M-element tensor)."""
-    if not t.numel():
-        return True
-    lo, hi = torch.aminmax(t.detach())
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-class MoEPPOTorchLearner(PPOTorchLearner):
+class MoEPPOTorchLearner(WeightPublisher, PPOTorchLearner):
     def build(self) -> None:
         self._stability: Dict[str, StabilityToolkit] = {}
         self._last_routing: Dict[str, list] = {}
@@ -100,13 +89,25 @@ class MoEPPOTorchLearner(PPOTorchLearner):
     def configure_optimizers_for_module(self, module_id, config=None):
         """One param group per stability group (router, experts, ...: own LR schedule and clip),
         Adam/AdamW with the multi-tensor (foreach) kernels — an MoE module has many small
-        per-expert tensors, and the per-tensor loop PyTorch picks on CPU dominates the step — or LAMB."""
+        per-expert tensors, and the per-tensor loop PyTorch picks on CPU dominates the step — or LAMB.
+        RLlib's `lr` is registered with the optimizer as RLlib does it (its Scheduler); the toolkit
+        then gives each group its own LR (set_lrs)."""
+        if self._lr_scheduler_classes:
+            raise ConfigError("experimental._torch_lr_scheduler_classes: not supported; per-group LRs come "
+                              "from stability.lr_schedules, the others from training.lr (docs/stability.md)")
         toolkit = self._stability[module_id] = self.make_toolkit(module_id)
-        base_lr = config.lr if isinstance(config.lr, (int, float)) else 1e-3  # schedules set it each step
+        base_lr = config.lr if isinstance(config.lr, (int, float)) else 1e-3  # replaced below, before any step
         optimizer = self.build_optimizer(module_id, toolkit, self.optimizer_param_groups(toolkit, base_lr), base_lr)
         self.register_optimizer(module_id=module_id, optimizer=optimizer,
                                 params=self.get_parameters(self._module[module_id]), lr_or_lr_schedule=config.lr)
+        toolkit.set_lrs(optimizer, self.rllib_lr(optimizer), self.lr_scale)   # RLlib set every group alike
         self._set_expert_dropout(module_id)
+
+    def rllib_lr(self, optimizer) -> float:
+        """RLlib's `lr` now: its Scheduler's current value (a fixed lr or RLlib's schedule). It drives
+        the groups stability.lr_schedules leaves to it."""
+        lr_schedule = self._optimizer_lr_schedules.get(optimizer)
+        return float(lr_schedule.get_current_value() if lr_schedule is not None else self.config.lr)
 
     def build_optimizer(self, module_id, toolkit, param_groups, base_lr):
         return toolkit.make_optimizer(param_groups, base_lr)
@@ -128,9 +129,7 @@ class MoEPPOTorchLearner(PPOTorchLearner):
             return False
         for hook in self.grad_hooks:
             hook(self, module_id)
-        lr_schedule = self._optimizer_lr_schedules.get(optimizer)
-        base_lr = lr_schedule.get_current_value() if lr_schedule is not None else self.config.lr
-        return self._stability[module_id].process(float(base_lr) * self.lr_scale, optimizer)
+        return self._stability[module_id].process(self.rllib_lr(optimizer), optimizer, scale=self.lr_scale)
 
     def _update_module_kl_coeff(self, *, module_id, config, kl_loss) -> None:
         """An update whose last minibatch kept no step has no KL (NaN): the coefficient stays."""
@@ -173,8 +172,12 @@ class MoEPPOTorchLearner(PPOTorchLearner):
             if active(self.correction):
                 self._loss_stats.setdefault(module_id, {}).update(self.skipped_steps.end_update(
                     module_id, warn=not self.config.consistency_settings.get("enabled", True)))
+        # RLlib moves its lr schedule on and sets it on every param group (its metric
+        # `default_optimizer_learning_rate` is that value); each group gets its own LR back for the next step.
         super().after_gradient_based_update(timesteps=timesteps)
         for module_id, toolkit in self._stability.items():
+            for _, optimizer in self.get_optimizers_for_module(module_id):
+                toolkit.set_lrs(optimizer, self.rllib_lr(optimizer), self.lr_scale)
             stats = {**toolkit.last_stats, **self._loss_stats.pop(module_id, {})}
             if self._last_routing.get(module_id):
                 stats.update(health_summary(self._last_routing.pop(module_id),
@@ -293,82 +296,6 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         self.metrics.log_dict(figures, key=module_id, window=1)
 
     # --- weights, as the rest of the system sees them ---------------------------------------------
-    def plain_module(self, module_id):
-        m = self.module[module_id]
-        return m.unwrapped() if hasattr(m, "unwrapped") else m
-
-    def moe_module_ids(self) -> List[str]:
-        return [mid for mid in self.module.keys() if isinstance(self.plain_module(mid), MoEPolicyModule)]
-
-    def local_state(self, module_id, inference_only: bool = True) -> Dict[str, torch.Tensor]:
-        m = self.plain_module(module_id)
-        skip = tuple(m.get_non_inference_attributes()) if inference_only and isinstance(m, InferenceOnlyAPI) else ()
-        return {k: v for k, v in m.state_dict().items() if not (skip and k.split(".")[0] in skip)}
-
-    def published(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, torch.Tensor]]:
-        """{module_id: {global name: tensor}}: this learner's part of the published weights, stacked
-        experts in their canonical per-expert form (moe_rl.core.sharding), as views of its live
-        tensors. A single learner (or one data-parallel replica of many) publishes everything."""
-        return {mid: canonical_views(self.local_state(mid, inference_only)) for mid in self.module.keys()}
-
-    def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, np.ndarray]]:
-        """published() as numpy (sharing a CPU tensor's memory: ray.put and checkpoints copy it)."""
-        return {mid: {k: v.detach().cpu().numpy() for k, v in state.items()}
-                for mid, state in self.published(inference_only, everything).items()}
-
-    def shard_digests(self, dtypes: Optional[Mapping[str, Mapping[str, str]]] = None, everything: bool = False,
-                      inference_only: bool = True, sample: Sample = None):
-        """Digests of `published()` (of its share `sample`), each tensor cast to the rollout copy's
-        dtype (dtypes: module_id -> name -> dtype name) so they compare bit for bit with the
-        rollout actors' own digests."""
-        return {mid: state_digests(state, (dtypes or {}).get(mid), sample)
-                for mid, state in self.published(inference_only, everything).items()}
-
-    def keep_synced(self) -> None:
-        """Keep this learner's part of the version just synced, here (a copy beside the weights),
-        instead of publishing it: the collective sync publishes it only when asked (synced_part)."""
-        self._synced_part = {mid: {k: v.detach().clone() for k, v in part.items()}
-                             for mid, part in self.published().items()}
-
-    def synced_part(self) -> Dict[str, Dict[str, np.ndarray]]:
-        return {mid: {k: v.cpu().numpy() for k, v in part.items()} for mid, part in self._synced_part.items()}
-
-    def weight_stats(self, reference: Optional[Mapping[str, Mapping[str, Any]]] = None) -> Dict[str, Any]:
-        """Candidate vs `reference` (this learner's part of the last synced weights; None: the part
-        it kept), computed here: per module and parameter group [sum (new - old)^2, sum old^2] for
-        the update size, and whether every tensor this learner holds is finite."""
-        reference = self._synced_part if reference is None else reference
-        out: Dict[str, Any] = {"finite": True, "terms": {}}
-        for mid in self.module.keys():
-            out["finite"] &= all(_all_finite(p) for p in self.plain_module(mid).parameters())
-        for mid, state in self.published().items():
-            terms = out["terms"].setdefault(mid, {})
-            for name, new in state.items():
-                old = reference.get(mid, {}).get(name)
-                if old is None or not new.is_floating_point():
-                    continue
-                old = old if isinstance(old, torch.Tensor) else _copied_tensor(old)
-                # fp32 sums (torch's cascade summation: within 1e-7 of fp64 on an 8.4 M-element
-                # tensor), without fp64 copies of both tensors: 3x faster.
-                a, b = old.to(new.device, torch.float32), new.detach().float()
-                t = terms.setdefault(param_group(name), [0.0, 0.0])
-                t[0] += float((b - a).square().sum())
-                t[1] += float(a.square().sum())
-        return out
-
-    def load_shards(self, shards: List[Mapping[str, Mapping[str, Any]]], inference_only: bool = True) -> None:
-        """Load published shards (every learner's, module-keyed, global names), strictly: the
-        assembled keys must be exactly this module's published keys."""
-        local = {mid: self.local_state(mid, inference_only) for mid in self.module.keys()}
-        full = assemble_modules(shards, {mid: canonical_views(state).keys() for mid, state in local.items()})
-        for mid, state in full.items():
-            with torch.no_grad():
-                for k, v in stack_experts(state, local[mid].keys()).items():
-                    local[mid][k].copy_(v if isinstance(v, torch.Tensor) else _copied_tensor(v))
-
-    def tensor(self, module_id: str, name: str) -> Optional[np.ndarray]:
-        return self.shard(inference_only=False, everything=True).get(module_id, {}).get(name)
-
     # --- the trainer's view of rollout data -------------------------------------------------------
     def trainer_view(self, data: Mapping[str, Mapping[str, Any]], replay: Optional[bool] = None) -> Dict[str, Dict]:
         """data: {module_id: {"obs", optional "actions", optional "topk"}} (numpy, batch-major).
@@ -379,9 +306,9 @@ class MoEPPOTorchLearner(PPOTorchLearner):
         out = {}
         for mid, d in data.items():
             module = self.plain_module(mid)
-            batch = {Columns.OBS: tree.map_structure(_copied_tensor, d["obs"])}
+            batch = {Columns.OBS: tree.map_structure(copied_tensor, d["obs"])}
             if (module.replay_routing if replay is None else replay) and d.get("topk") is not None:
-                batch[MOE_TOPK] = _copied_tensor(d["topk"])
+                batch[MOE_TOPK] = copied_tensor(d["topk"])
             routers = [m for m in module.modules() if isinstance(m, Router)]
             with torch.no_grad(), expert_dropout_off(module):   # dropout is a training perturbation
                 fwd = module.forward_train(batch)
@@ -392,6 +319,6 @@ class MoEPPOTorchLearner(PPOTorchLearner):
                                               1).numpy() if records else np.zeros((len(logits), 0))}
                 if d.get("actions") is not None:
                     dist = module.get_train_action_dist_cls().from_logits(logits)
-                    view["logp"] = dist.logp(_copied_tensor(d["actions"])).double().numpy()
+                    view["logp"] = dist.logp(copied_tensor(d["actions"])).double().numpy()
             out[mid] = view
         return out

@@ -125,9 +125,6 @@ class LearnerGroupOps:
         """{module_id: full state}, assembled from every learner's part (tests, verification)."""
         return assemble_modules(ray.get(self.publish_weights(inference_only)))
 
-    def moe_module_ids(self) -> List[str]:
-        return self.foreach(lambda l: l.moe_module_ids())[0]
-
 
 class MoELearnerGroup(LearnerGroupOps, LearnerGroup):
     """RLlib's LearnerGroup with the interface above: one learner, or data-parallel replicas that
