@@ -38,10 +38,21 @@ def ray_local():
 def pytest_collection_modifyitems(config, items):
     """Files with slow tests first: the suite runs two files at a time (pytest-xdist, --dist loadfile),
     and a long file that starts last leaves one worker alone at the end. Stable within each group."""
-    # The Ray-isolation test runs the head tests itself, beside its bystanders: a session that has it
-    # runs them there only (minutes of Ray heads saved), and it fails when one of them fails. It is
-    # the suite's longest test (about 4 minutes here, 204–256 s): its file goes first (setup.cfg keeps
-    # xdist from reordering), so no worker ends alone on it.
+    # Why the four head tests (test_ray_isolation.HEAD_TESTS) run in a nested pytest, and why they are
+    # deselected here. test_ray_isolation checks that the way they start and stop Ray heads (`ray
+    # start` in a process session of its own, stopped by killing that session; never `ray stop`)
+    # leaves everyone else's Ray alone: an unrelated head and a `moe-rl train` in its own embedded Ray
+    # must be running before the first head test starts, must survive the last one, and the held run
+    # must then finish. That needs code before and after a set of tests in three files, and pytest
+    # has no place for it: under xdist (--dist loadfile) the files go to different workers, in any
+    # order, and a fixture lives in one worker. So the isolation test runs them itself, as a nested
+    # pytest between starting its bystanders and checking them. Running them in this session as well
+    # would start every head twice (minutes), so a session that has the isolation test drops them
+    # here; the isolation test fails when one of them fails (their own assertions are judged last,
+    # after the bystanders'). trylast: this runs after -k/-m have chosen, so they are dropped only when
+    # the isolation test is really in the run; without it (one file, -k, -m pure) they run as usual.
+    # The isolation test is the suite's longest (about 4 minutes here, 204-256 s): its file goes first
+    # (setup.cfg keeps xdist from reordering), so no worker ends alone on it.
     isolation = [item for item in items
                  if item.name == "test_head_tests_leave_an_unrelated_head_and_a_training_run_alive"]
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}

@@ -167,8 +167,8 @@ def test_the_kept_state_restores_weights_and_moments_exactly_and_reuses_its_buff
         extra = restore_state(again, {"m": model}, {"m": opt})
         assert extra["n"] == 2 and extra["extra"] is not again["extra"]["extra"]
         assert all(torch.equal(v, good["w"][k]) for k, v in model.state_dict().items())
-        for pid, st in opt.state_dict()["state"].items():
-            assert all(torch.equal(v, good["o"]["state"][pid][k]) for k, v in st.items())
+        for pid, state in opt.state_dict()["state"].items():
+            assert all(torch.equal(v, good["o"]["state"][pid][k]) for k, v in state.items())
 
 
 @pytest.mark.pure

@@ -267,7 +267,7 @@ def test_policy_loss_swings_of_healthy_ppo_are_not_spikes():
 def converging_run(seed, n=100):
     """A healthy run that converges, generated (seeded; noise bounded at 2.5 sigma): the figures a
     quickstart at its small, frequent updates shows over 100 iterations to a return of 490, which
-    the detector must not alert on (the former one raised 7 alerts on such a run):
+    the detector must not alert on (the former detector raised 7 alerts on a recorded one):
       - the return (a mean over 100 episodes) rising 20 -> 490 along a logistic, the value loss
         10 -> 15 with it, each moving by less than 10 % an iteration;
       - the pre-clip gradient norm: log-normal (sigma 0.5) around a level that falls 75x as the

@@ -95,7 +95,7 @@ def _give_up():
                        printer=lambda s, **_: lines.append(s), poll_s=0.5):
             big = SlowToStart.options(num_cpus=4).remote(0)
             ray.get(big.ping.remote())
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 120   # a hang guard: the give-up itself is pytest.raises above
     assert any("for resources: not placed yet: 1 x SlowToStart" in line and "giving up in" in line
                for line in lines), lines
     ray.kill(big)

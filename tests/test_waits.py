@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from helpers import free_port, local_head
@@ -17,42 +16,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--set", "stop_return=null", "--set", "training.train_batch_size_per_learner=200",
         "--set", "training.minibatch_size=100", "--set", "moe.num_experts=4", "--set", "moe.d_model=16",
         "--set", "moe.d_ff=16"]
-LEFTOVERS = ("import ray, json\n"
-             "from ray.util.state import list_actors, list_placement_groups\n"
-             "ray.init(log_to_driver=False)\n"
-             "print(json.dumps({'actors': [a.class_name for a in list_actors(filters=[('state', '!=', 'DEAD')])],\n"
-             "                  'pgs': [p.state for p in list_placement_groups() if p.state != 'REMOVED']}))\n")
+# Every actor the cluster has had, dead ones too, and its placement groups.
+ACTORS = ("import ray, json\n"
+          "from ray.util.state import list_actors, list_placement_groups\n"
+          "ray.init(log_to_driver=False)\n"
+          "print(json.dumps({'actors': [(a.class_name, a.state) for a in list_actors()],\n"
+          "                  'pgs': [p.state for p in list_placement_groups()]}))\n")
 
 
-def moe_rl_cli(env, *args, timeout=240):
-    t0 = time.monotonic()
-    p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "moe-rl"), *args], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
-    return p, time.monotonic() - t0
+def moe_rl_cli(env, *args, timeout=300):   # a hang guard: what the runs do is asserted, not their time
+    return subprocess.run([os.path.join(os.path.dirname(sys.executable), "moe-rl"), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def cluster_actors(env):
+    out = subprocess.run([sys.executable, "-c", ACTORS], env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def leftovers(env):
-    out = subprocess.run([sys.executable, "-c", LEFTOVERS], env=env,
-                         capture_output=True, text=True, timeout=120)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """What is still alive: actors not dead, placement groups not removed."""
+    seen = cluster_actors(env)
+    return {"actors": [name for name, state in seen["actors"] if state != "DEAD"],
+            "pgs": [state for state in seen["pgs"] if state != "REMOVED"]}
 
 
 @pytest.mark.slow
 def test_a_run_a_fixed_cluster_can_never_hold_fails_at_once_and_says_what_fits(tmp_path):
-    """The issue's case: a 2-CPU head, 1 env runner + 2 learners (ep_size 2)."""
+    """The issue's case: a 2-CPU head, 1 env runner + 2 learners (ep_size 2). "At once": before
+    the algorithm is built, so no actor of the run (learner, env runner) was ever started, not a
+    time, which depends on the machine (one slower than ours took 65 s)."""
     with local_head("--port", str(free_port()), "--num-cpus", "2") as (_, env, _address):
         out = tmp_path / "run"
-        p, took = moe_rl_cli(env, "train", "--num-learners", "2", "--ep-size", "2",
-                             "--output", str(out), *TINY)
+        p = moe_rl_cli(env, "train", "--num-learners", "2", "--ep-size", "2", "--output", str(out), *TINY)
         assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
-        assert took < 60
+        assert "moe-rl: building the algorithm" not in p.stdout, p.stdout[-2000:]
+        assert cluster_actors(env) == {"actors": [], "pgs": []}   # none ever, dead ones included
         assert "this run needs CPU 3: 1 x env runner (CPU 1); 2 x learner (CPU 1)" in p.stdout
         assert "The cluster has CPU 2 in total" in p.stdout
         error = p.stderr.strip().splitlines()[-1]
         assert error.startswith("moe-rl: error: this fixed cluster can never hold the run: it lacks CPU 1")
         assert "learners.num_cpus_per_learner=0.5" in error
         assert (out / "INCOMPLETE").read_text().startswith("this fixed cluster can never hold the run")
-        assert leftovers(env) == {"actors": [], "pgs": []}
 
 
 @pytest.mark.slow
@@ -69,13 +74,13 @@ def test_a_run_that_waits_says_so_and_gives_up_cleanly(tmp_path):
         try:
             assert hog.stdout.readline().strip() == "HOG"
             out = tmp_path / "run"
-            p, took = moe_rl_cli(env, "train", "--num-learners", "2", "--ep-size", "2",
-                                 "--output", str(out), "--set", "cluster.wait_timeout_s=8", *TINY)
+            p = moe_rl_cli(env, "train", "--num-learners", "2", "--ep-size", "2",
+                           "--output", str(out), "--set", "cluster.wait_timeout_s=8", *TINY)
             assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
             assert "moe-rl: waiting" in p.stdout and "no autoscaler" in p.stdout and "giving up in" in p.stdout
             error = p.stderr.strip().splitlines()[-1]
             assert error.startswith("moe-rl: error: gave up after 8s waiting for") and "CPU" in error
-            assert (out / "INCOMPLETE").is_file() and took < 120
+            assert (out / "INCOMPLETE").is_file()
             left = leftovers(env)
             assert left["actors"] == ["Hog"] and left["pgs"] == []
         finally:
