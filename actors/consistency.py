@@ -52,6 +52,22 @@ def k3_by_expert(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, topk) -
     return out
 
 
+def policy_lag_figures(lag: Optional[Dict[str, Any]]) -> Dict[str, float]:
+    """Policy lag, never mismatch: policy_lag_mean / _max (synced versions between a sampled
+    step's weights and the synced ones), policy_lag_share (steps taken at older weights) and
+    policy_lag_k3 (K3 of the trainer at the synced weights vs the rollout on those steps: how far
+    the policy moved across the lag)."""
+    if not lag or not len(lag["versions"]):
+        return {}
+    versions = np.asarray(lag["versions"])
+    out = {"policy_lag_mean": float(versions.mean()), "policy_lag_max": int(versions.max()),
+           "policy_lag_share": float((versions > 0).mean())}
+    if "trainer_logp" in lag:
+        out["policy_lag_k3"] = drift_metrics(torch.as_tensor(lag["trainer_logp"]),
+                                             torch.as_tensor(lag["rollout_logp"]))["k3"]
+    return out
+
+
 class ConsistencyActor:
     def __init__(self, settings: Dict[str, Any], discrete: Dict[str, bool]):
         self.s = settings
@@ -76,6 +92,7 @@ class ConsistencyActor:
     def _drift(self, mid: str, rollout: Dict[str, Any], trainer: Dict[str, Any], row: Dict[str, Any]) -> None:
         t, r = torch.as_tensor(trainer["logp"]), torch.as_tensor(rollout["logp"])
         row.update({k: v for k, v in drift_metrics(t, r).items() if k != "n"})
+        row["mismatch_steps"] = len(r)   # the steps taken at the synced weights, which mismatch is measured on
         if rollout.get("positions") is not None:
             by_pos = drift_by_position(t, r, torch.as_tensor(rollout["positions"]), self.s["position_bins"])
             row["k3_by_position"] = json.dumps({b: m["k3"] for b, m in by_pos.items()})
@@ -90,11 +107,14 @@ class ConsistencyActor:
     def check(self, *, iteration: int, version: int, lag: int, rollout: Dict[str, Dict[str, Any]],
               trainer: Dict[str, Dict[str, Any]], stats: Dict[str, Any], candidate_view: Dict[str, Dict[str, Any]],
               corrupt: List[str], replicas: List[str], repairs: int = 0,
-              skipped: Optional[Dict[str, Dict[str, int]]] = None) -> Dict[str, Any]:
+              skipped: Optional[Dict[str, Dict[str, int]]] = None,
+              policy_lag: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
         """lag: updates the learners were ahead of the rollouts *before* this update (0: same
         weights); the candidate is one update further, lag + 1 past the last good weights.
         rollout / trainer: per module, the rollout's recorded steps and the learners' view of
-        them (same weights when lag == 0; else the lagged learners'). stats: the learners'
+        them (same weights when lag == 0; else the lagged learners'). policy_lag: per module, each
+        sampled step's lag in synced versions and, when lag == 0, the rollout's and the trainer's
+        log-probs of the steps taken at older weights (the divergence across the lag). stats: the learners'
         weight_stats against the last synced weights. corrupt / replicas: breach lines found by
         digest comparisons (rollout copies vs synced weights; learners holding the same tensor).
         skipped: per module, the update's steps and the steps skipped because the rollout
@@ -115,6 +135,7 @@ class ConsistencyActor:
                 else:            # the learners are ahead: policy lag, never mismatch
                     row["lag_k3"] = drift_metrics(torch.as_tensor(trainer[mid]["logp"]),
                                                   torch.as_tensor(rollout[mid]["logp"]))["k3"]
+            row.update(policy_lag_figures((policy_lag or {}).get(mid)))
             for group, (sq_diff, sq_ref) in sorted(stats["terms"].get(mid, {}).items()):
                 row[f"update_size/{group}"] = math.sqrt(sq_diff) / max(math.sqrt(sq_ref), 1e-12)
             old = (self.probe_view or {}).get(mid)

@@ -103,7 +103,8 @@ def main():
     bad = [a for a in arms if a not in ARMS]
     if bad:
         raise SystemExit(f"--arms: {bad[0]!r} is not one of {tuple(ARMS)}")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=2)
     out, t0 = [], time.time()
     try:
         for seed in range(args.seeds):

@@ -54,7 +54,8 @@ def main():
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=4)
     rows = [run(False, args.iterations), run(True, args.iterations)]
     ray.shutdown()
     eager, comp = rows

@@ -44,7 +44,8 @@ def main():
     ap.add_argument("--learners", type=int, default=0, help="0: local learner; 2: DeepSpeed ep_size=2")
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=4)
     cfg = load_run_config()
     # Interleave off/on twice so drift in machine load hits both alike.
     off, on = [], []

@@ -76,6 +76,7 @@ def run_one(arm: str, seed: int, out: str, steps_per_task: int, cycles: int) -> 
     from ray.rllib.core.columns import Columns
 
     from moe_rl.algo.results import metrics_row
+    from moe_rl.app.train import start_local_ray
     from moe_rl.core.plasticity import trunk_dormancy
 
     torch.set_num_threads(1)
@@ -87,7 +88,7 @@ def run_one(arm: str, seed: int, out: str, steps_per_task: int, cycles: int) -> 
         config.environment("minigrid_mt", env_config=schedule(steps_per_task, cycles, copies))
     probe = probe_set()
     segments, total = len(TASKS) * cycles, len(TASKS) * cycles * steps_per_task
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=3)
     try:
         algo = config.build_algo()
         curve, evaluations = [], []

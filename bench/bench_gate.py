@@ -147,7 +147,8 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     args.iterations = args.iterations or (25 if args.mode == "healthy" else 20)
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=6)
     try:
         result = healthy(args) if args.mode == "healthy" else fault_matrix(args)
     finally:

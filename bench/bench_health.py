@@ -230,7 +230,8 @@ def main():
     bad = [g for g in chosen if g not in groups]
     if bad:
         raise SystemExit(f"--groups: {bad[0]!r} is not one of {', '.join(groups)}")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=4)
     runs, t0 = [], time.time()
     try:
         for g in chosen:

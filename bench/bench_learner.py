@@ -90,7 +90,8 @@ def main():
     ap.add_argument("--d-ff", type=int, default=1024)
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=4)
     rows = [run(ep, args.experts, args.tokens, args.steps, args.d_model, args.d_ff) for ep in (1, 2)]
     ray.shutdown()
     for r in rows:

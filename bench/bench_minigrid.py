@@ -85,12 +85,13 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget_per_task: int, tas
     import moe_rl.envs  # noqa: F401
     from moe_rl.algo.results import metrics_row
     from moe_rl.app.evaluate import evaluate_module_tasks
+    from moe_rl.app.train import start_local_ray
 
     torch.set_num_threads(1)
     cfg, config = build_config(arm, suite, seed, [task] if task else None, overrides)
     num_tasks = 1 if task else len(gym.make(cfg["env"]).unwrapped.task_names)
     budget = budget_per_task * num_tasks
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)   # never another head
+    start_local_ray(num_cpus=3)   # never another head
     try:
         algo = config.build_algo()
         curve = []

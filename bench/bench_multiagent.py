@@ -66,7 +66,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray()
     raw = raw_config(args.seed, check=True)
     arms = {"moe": lambda: validate_run_config(raw_config(args.seed, check=True)),
             "moe_no_check": lambda: validate_run_config(raw_config(args.seed, check=False)),

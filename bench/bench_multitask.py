@@ -59,7 +59,8 @@ def main():
     ap.add_argument("--iterations", type=int, default=25)
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray()
     # Stock PPO's EnvRunners never import moe_rl: register the env with Ray's registry, which
     # ships the creator to them (MoEPPOConfig registers the moe_rl/ ids itself).
     from ray.tune.registry import register_env

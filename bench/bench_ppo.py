@@ -137,8 +137,8 @@ def main():
     layouts = [tuple(int(v) for v in x.split("x")) for x in args.layouts.split(",")]
     # A layout's algorithms are alive together and each env runner reserves one logical CPU: declare
     # enough of them (logical only: one algorithm runs at a time, the machine's cores are shared).
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,
-             num_cpus=max(os.cpu_count() or 1, len(algos) * max(r for r, _ in layouts)))
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=max(os.cpu_count() or 1, len(algos) * max(r for r, _ in layouts)))
     rows = []
     for runners, envs in layouts:
         runs = {}

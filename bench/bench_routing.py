@@ -68,7 +68,8 @@ def main():
                     help="an override for every arm, e.g. training.num_epochs=1")
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=4)
     out = []
     try:
         for arm in args.arms.split(","):

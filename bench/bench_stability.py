@@ -211,7 +211,8 @@ def main():
     arms = args.arms.split(",")
     for arm in arms:
         arm_pieces(arm)  # fail on a misspelt arm before any run
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=2)
     runs, t0 = [], time.time()
     try:
         for seed in range(args.first_seed, args.first_seed + args.seeds):

@@ -125,7 +125,8 @@ def main():
     ap.add_argument("--rates", action="store_true", help="only the digest and snapshot rates (cost model)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=8)
     if args.rates:
         row = rates("large")
         print(json.dumps(row, indent=1))

@@ -97,9 +97,10 @@ def main():
     import ray
 
     from moe_rl import MoEPPOConfig
+    from moe_rl.app.train import start_local_ray
     from moe_rl.core.digests import differing
     from moe_rl.rllib.runner import runner_digests
-    ray.init(address="local", num_cpus=4, num_gpus=0 if cpu else 1, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=4, num_gpus=0 if cpu else 1)
     algo = None
     try:
         @step("3 DeepSpeed ep_size 1 on NCCL")

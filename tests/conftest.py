@@ -24,12 +24,11 @@ def ray_local():
     """A real local Ray for one test module, stopped afterwards."""
     import ray
 
-    from moe_rl.app.train import EMBEDDED_RAY_SYSTEM_CONFIG
-    # address="local": a Ray of the test's own, never another head that ray.init() would find on the
-    # host. The product's worker niceness (0, not Ray's 15): beside the other pytest worker's
-    # drivers, niced actors starve, and a test's time then measures the scheduler, not the code.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
+    from moe_rl.app.train import start_local_ray
+    # The product's own start: loopback, a Ray of the test's own (never another head on the host),
+    # worker niceness 0 (beside the other pytest worker's drivers, niced actors starve, and a
+    # test's time then measures the scheduler, not the code).
+    start_local_ray(num_cpus=8)
     yield ray
     ray.shutdown()
 

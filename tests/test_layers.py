@@ -77,3 +77,35 @@ def test_core_imports_no_ray_or_deepspeed():
     code = (f"import sys; import {', '.join(modules)}; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('ray', 'deepspeed')]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_no_import_circle():
+    """No module of the product imports, however indirectly, a module that imports it: not at the
+    top, inside a function, or under TYPE_CHECKING (the layers alone allow circles within one)."""
+    files = {module_name(p): p for p in package_files()}
+    graph = {}
+    for me, path in files.items():
+        edges = set()
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                edges |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in files}
+                if node.module in files and not any(f"{node.module}.{a.name}" in files for a in node.names):
+                    edges.add(node.module)
+        graph[me] = edges - {me}
+    circles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, "\n".join(circles)

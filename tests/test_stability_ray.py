@@ -8,7 +8,7 @@ import torch.distributed as dist
 from helpers import ENV, adam_moments, batch, ds_config, shard_loss
 
 from moe_rl import MoEPPOConfig
-from moe_rl.rllib.learner import BALANCE_STATE, STABILITY_STATE
+from moe_rl.rllib.moe_learner import BALANCE_STATE, STABILITY_STATE
 
 MID = "default_policy"
 

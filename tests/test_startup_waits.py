@@ -13,11 +13,12 @@ from helpers import free_port
 
 from moe_rl.actors.startup import StartupReport, extension_builds, skip_unused_shm_comm_op
 from moe_rl.algo.resources import Demand, ResourceWait, WaitWatch, startup_state
+from moe_rl.app.train import start_local_ray
 
 
 @pytest.fixture(scope="module")
 def ray_2cpus():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2)
     yield
     ray.shutdown()
 

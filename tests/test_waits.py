@@ -101,11 +101,13 @@ def test_a_tune_trial_of_the_ep_group_runs_in_its_own_reservation():
     (a second placement group would wait forever)."""
     import ray
     from ray import tune
+
+    from moe_rl.app.train import start_local_ray
     config = (MoEPPOConfig().environment("CartPole-v1").env_runners(num_env_runners=1, num_envs_per_env_runner=2)
               .training(train_batch_size_per_learner=200, minibatch_size=100, num_epochs=1)
               .learners(num_learners=2).moe(num_experts=4, ep_size=2, d_model=16, d_ff=16))
     cpus = sum(b.get("CPU", 0) for b in MoEPPO.default_resource_request(config).bundles)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=cpus)
     try:
         results = tune.Tuner(MoEPPO, param_space=config, run_config=tune.RunConfig(
             stop={"training_iteration": 1}, verbose=0, storage_path=os.path.join(ROOT, ".pytest_tune"))).fit()

@@ -41,8 +41,8 @@ def main():
     config = (PPOConfig().environment(args.env).debugging(seed=args.seed)
               .training(**TRAINING[args.env])
               .rl_module(model_config=DefaultModelConfig(**MODELS[args.env])))
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,
-             num_cpus=max(os.cpu_count() or 1, config.num_env_runners + 1))
+    from moe_rl.app.train import start_local_ray
+    start_local_ray(num_cpus=max(os.cpu_count() or 1, config.num_env_runners + 1))
     algo = config.build_algo()
     try:
         steps, rows = 0, []

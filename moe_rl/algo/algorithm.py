@@ -8,305 +8,39 @@
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import logging
-import time
-from typing import Any, Dict, Optional
-
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
-from ray.rllib.core import DEFAULT_MODULE_ID
-from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
-from ray.rllib.utils import force_list
-from ray.rllib.utils.metrics import (
-    ALL_MODULES,
-    ENV_RUNNER_RESULTS,
-    ENV_RUNNER_SAMPLING_TIMER,
-    LEARNER_RESULTS,
-    LEARNER_UPDATE_TIMER,
-    NUM_ENV_STEPS_SAMPLED_LIFETIME,
-    NUM_MODULE_STEPS_TRAINED_LIFETIME,
-    SYNCH_WORKER_WEIGHTS_TIMER,
-    TIMERS,
-)
+from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, ENV_RUNNER_SAMPLING_TIMER, TIMERS
 
-import moe_rl.envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that loads this config
-from moe_rl.actors.learner_group import DeepSpeedLearnerGroup
-from moe_rl.algo.config_builders import MoESections
-from moe_rl.algo.monitoring import MoEMonitoring
-from moe_rl.algo.sync_gate import GateStop, SyncGate
-from moe_rl.algo.weight_sync import CollectiveWeightSync
-from moe_rl.core.gate import validate_consistency
-from moe_rl.core.sample_filter import drop_nonfinite
-from moe_rl.core.settings import (
-    DEEPSPEED_DEFAULTS,
-    MOE_DEFAULTS,
-    resolve_deepspeed,
-    validate_moe,
-    validate_weight_sync,
-)
-from moe_rl.core.stability import validate_stability
+from moe_rl.algo.moe_algorithm import MoEAlgorithm
+from moe_rl.algo.moe_config import MoEConfig
+from moe_rl.algo.sync_gate import GateStop
 from moe_rl.rllib.learner import MoEPPOTorchLearner
-from moe_rl.rllib.learner_group import MoELearnerGroup
-from moe_rl.rllib.rl_module import MoEPolicyModule
-from moe_rl.rllib.runner import load_shards_into_runner, runner_dtypes, runner_modules
-from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
 
 __all__ = ["MoEPPOConfig", "MoEPPO", "GateStop"]
 
-logger = logging.getLogger(__name__)
 
-
-class MoEPPOConfig(MoESections, PPOConfig):
+class MoEPPOConfig(MoEConfig, PPOConfig):
     """PPOConfig plus `.moe(...)` (the MoE policy), `.deepspeed(...)` (the expert-parallel learner
     group), `.weight_sync(...)` (how the weights reach the rollout actors), `.stability(...)` and
     `.consistency(...)` (drift checks and the sync gate)."""
 
     def __init__(self, algo_class=None):
         super().__init__(algo_class=algo_class or MoEPPO)
-        self.moe_settings: Dict[str, Any] = copy.deepcopy(MOE_DEFAULTS)
-        self.deepspeed_settings: Dict[str, Any] = copy.deepcopy(DEEPSPEED_DEFAULTS)
-        self.stability_settings: Dict[str, Any] = {}
-        self.consistency_settings: Dict[str, Any] = {}
-        self.weight_sync_settings: Dict[str, Any] = {}
-        # Per-task returns, success and routing for multi-task envs (nothing for the others). A
-        # user's own `.callbacks(...)` replaces it, as in RLlib: list both to keep it.
-        self.callbacks_class = TaskEpisodeMetrics
-
-    @property
-    def uses_deepspeed(self) -> bool:
-        return bool(resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)["enabled"])
-
-    def build_learner_group(self, *, env=None, spaces=None, rl_module_spec=None, placement_group=None):
-        """RLlib's LearnerGroup (as MoELearnerGroup), or the DeepSpeed expert-parallel group: both
-        offer the learner-group interface of moe_rl.rllib.learner_group."""
-        if rl_module_spec is None:
-            rl_module_spec = self.get_multi_rl_module_spec(env=env, spaces=spaces)
-        if not self.uses_deepspeed:
-            return MoELearnerGroup(config=self.copy(), module_spec=rl_module_spec, placement_group=placement_group)
-        config = self.copy(copy_frozen=False)
-        config.deepspeed_settings = resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
-        config.freeze()
-        return DeepSpeedLearnerGroup(config=config, module_spec=rl_module_spec)
-
-    @property
-    def _model_config_auto_includes(self) -> Dict[str, Any]:
-        return super()._model_config_auto_includes | {"moe": dict(self.moe_settings)}
-
-    def get_default_rl_module_spec(self) -> RLModuleSpec:
-        return RLModuleSpec(module_class=MoEPolicyModule)
 
     def get_default_learner_class(self):
         return MoEPPOTorchLearner
 
-    def validate(self) -> None:
-        super().validate()
-        validate_moe(self.moe_settings, num_learners=self.num_learners)
-        validate_stability(self.stability_settings)
-        resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
-        validate_consistency(self.consistency_settings)
-        validate_weight_sync(self.weight_sync_settings, uses_deepspeed=self.uses_deepspeed,   # evaluation: own runners
-                             num_env_runners=None if self.in_evaluation else self.num_env_runners)
 
-
-class MoEPPO(PPO):
-    """PPO whose policy is an MoE. One iteration (`training_step`):
-
-        sample     rollout actors step their envs with the inference copy (weights version v)
-        check 1    rollout copies vs v (digests, repair), the learners' view of the sample (mismatch)
-        update     PPO epochs on the learner group
-        check 2    the candidate: finite, update size, KL and flips on the probe set (the gate decides)
-        sync       the learners' parts to the rollout actors: version v + 1, strictly assembled
-    """
+class MoEPPO(MoEAlgorithm, PPO):
+    """PPO whose policy is an MoE (moe_rl.algo.moe_algorithm: one iteration), sampled
+    synchronously: every rollout actor runs the synced weights."""
 
     @classmethod
     def get_default_config(cls) -> MoEPPOConfig:
         return MoEPPOConfig()
 
-    def setup(self, config) -> None:
-        super().setup(config)
-        settings = validate_consistency(self.config.consistency_settings)
-        self.weights_version = 0          # the version the rollout actors run
-        self.updates_since_sync = 0       # > 0: the learners are ahead of the rollouts (a hold)
-        self._synced_refs: Optional[list] = []   # the learners' published parts of version weights_version
-        self.synced_digests: dict = {}
-        self._pending_faults: list = []   # test hooks (moe_rl.algo.faults.inject)
-        self.sync_gate = None
-        sync = validate_weight_sync(self.config.weight_sync_settings)
-        self.weight_sync = CollectiveWeightSync(self, sync) if sync["transport"] == "collective" else None
-        if settings["enabled"] or self.weight_sync is not None:   # what the digests and the wire cast to
-            self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
-        if settings["enabled"]:
-            discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
-                lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()
-                           if isinstance(mod, MoEPolicyModule)})[1][0].items()}
-            self.sync_gate = SyncGate(self, settings, discrete)
-        self._sync_rollout_weights()
-        self._faults = {"env_runner_failures": 0, "lost_env_steps": 0, "env_runners_restored": 0,
-                        "nonfinite_episodes_dropped": 0, "nonfinite_env_steps_dropped": 0}
-        self.monitoring = MoEMonitoring(self)   # driver-only: anomaly detection, memory, Prometheus
-        self.callbacks = force_list(self.callbacks) + [self.monitoring]
-
-    def cleanup(self) -> None:
-        if getattr(self, "sync_gate", None) is not None:
-            self.sync_gate.close()
-        if getattr(self, "weight_sync", None) is not None:
-            self.weight_sync.close()
-        if getattr(self, "monitoring", None) is not None:
-            self.monitoring.close()
-        super().cleanup()
-
-    # --- one iteration ----------------------------------------------------------------------------
-    def training_step(self) -> None:
-        clock = PhaseClock()
-        with clock("sample_s"):
-            episodes = self._sample()
-        if not episodes:
-            return
-        steps = sum(len(ep) for ep in episodes)
-        gate = self.sync_gate
-        check = gate is not None and (self.iteration % gate.s["every"] == 0 or gate.holding)
-        if check:
-            with clock("check_s"):
-                gate.before_update(episodes)
-        self._inject_faults("before_update")
-        with clock("learn_s"):
-            self._update(episodes)
-        self.updates_since_sync += 1
-        self._inject_faults("after_update")
-        try:
-            if check:
-                with clock("check_s"):
-                    verdict = gate.after_update()
-                self._log_check(verdict)
-                if verdict["decision"] in ("hold", "rollback"):   # rollouts stay on the last good weights
-                    return
-            with clock("sync_s"):
-                self._sync_rollout_weights()
-        finally:
-            clock.seconds["env_steps_per_s"] = steps / max(clock.total, 1e-9)
-            for k, v in clock.seconds.items():
-                self.metrics.log_value(("moe_rl", k), v, window=1)
-
-    def _log_check(self, verdict) -> None:
-        rows = self.sync_gate.rows
-        row = rows[-1]
-        figures = {"drift/" + k: row[k] for k in ("k1", "k3", "max_abs_logp_diff", "routing_agreement", "lag_versions",
-                                                    "lag_k3", "k3_old_new", "probe_flip_rate") if k in row}
-        figures.update({"drift/decision": verdict["decision"], "drift/cause": ";".join(verdict["causes"]),
-                        "drift/action": ";".join(verdict["actions"]), "drift/repairs": self.sync_gate.repairs})
-        for k, v in figures.items():
-            if isinstance(v, str):
-                self.metrics.log_value(("moe_rl", k), v, reduce="item")
-            else:
-                self.metrics.log_value(("moe_rl", k), v, window=1)
-
-    # --- weights ----------------------------------------------------------------------------------
-    def runner_call(self, fn, runner_ids=None, **kwargs):
-        """fn(runner, **kwargs) on the rollout actors that sample (the local one when there are
-        no remote ones) -> (runner ids, results)."""
-        group = self.env_runner_group
-        if group.num_remote_env_runners() == 0:
-            return [0], group.foreach_env_runner(lambda r: fn(r, **kwargs), local_env_runner=True)
-        ids = list(runner_ids) if runner_ids is not None else list(group.healthy_env_runner_ids())
-        return ids, group.foreach_env_runner(lambda r: fn(r, **kwargs), remote_worker_ids=ids,
-                                             local_env_runner=False)
-
-    def push_synced_weights(self, runner_ids=None, force: bool = False) -> None:
-        """Load the synced version into rollout actors (all, or `runner_ids`; force: even when
-        they already claim that version)."""
-        refs, version = self.synced_refs, self.weights_version
-        self.runner_call(lambda r: load_shards_into_runner(r, refs, version, force), runner_ids)
-
-    @property
-    def synced_refs(self) -> list:
-        """The learners' published parts of the synced version. Under the collective transport
-        they are published only when asked (a repair, a restarted rollout actor, a failed
-        broadcast): from the parts the learners kept (the gate can hold them back from the
-        synced version), else from their weights, which are the synced version until the next
-        update."""
-        if self._synced_refs is None:
-            self._synced_refs = (self.learner_group.publish_synced() if self.sync_gate is not None
-                                 else self.learner_group.publish_weights(inference_only=True))
-        return self._synced_refs
-
-    def _sync_rollout_weights(self) -> None:
-        """Version v + 1 to the rollout actors. object_store: every learner publishes its own part
-        once (in its node's object store) and each rollout actor pulls and assembles them strictly.
-        collective: every learner broadcasts its part to the rollout actors (the object store
-        serves when that fails) and, for the gate, keeps it. The synced version stays at hand
-        (repairs, restarted actors and the update-size check use it) and its digests, in the
-        rollout copies' dtypes, are taken where the parts live."""
-        with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
-            self.weights_version += 1
-            self.updates_since_sync = 0
-            if self.weight_sync is None:
-                self._synced_refs = self.learner_group.publish_weights(inference_only=True)
-                self.push_synced_weights()
-            else:
-                if self.sync_gate is not None:
-                    self.learner_group.keep_synced()
-                self._synced_refs = None
-                if not self.weight_sync.sync(self.weights_version):
-                    self.push_synced_weights()
-                self.metrics.log_value(("moe_rl", "sync/collective_fallbacks"), self.weight_sync.fallbacks, window=1)
-            if self.sync_gate is not None:
-                self.synced_digests = {}
-                for part in self.learner_group.shard_digests(self.rollout_dtypes, self.sync_gate.digest_sample()):
-                    for mid, d in part.items():
-                        self.synced_digests.setdefault(mid, {}).update(d)
-                self.sync_gate.after_sync()
-
-    def get_module(self, module_id=DEFAULT_MODULE_ID):
-        """RLlib's: the local EnvRunner's module, brought to the synced version first. MoEPPO syncs
-        only the rollout actors that sample, so with remote ones the local runner (which RLlib keeps
-        for spaces and evaluation) would otherwise still hold its initial weights."""
-        group = self.env_runner_group
-        if group is not None and group.local_env_runner is not None and group.num_remote_env_runners() > 0:
-            load_shards_into_runner(group.local_env_runner, self.synced_refs, self.weights_version)
-        return super().get_module(module_id)
-
-    def reference_refs(self) -> Optional[list]:
-        """What the update-size check compares against: the published parts, or None where the
-        learners kept them (the collective transport)."""
-        return self._synced_refs if self.weight_sync is None else None
-
-    def continue_ledgers(self, drift_rows, alerts_total: int, metrics_rows=()) -> None:
-        """A resumed run: the gate's ledger, the alert count and the rolling return go on from the
-        checkpoint's."""
-        if self.sync_gate is not None:
-            self.sync_gate.rows[:] = list(drift_rows)
-        self.monitoring.continue_from(len(drift_rows), alerts_total, metrics_rows)
-
-    def restore_last_good(self) -> None:
-        """The learners back to the state of the synced version (weights and optimizer moments)."""
-        self.sync_gate.restore()
-        self.updates_since_sync = 0
-
-    def _inject_faults(self, stage: str) -> None:
-        for fault in [f for f in self._pending_faults if f.stage == stage]:
-            self._pending_faults.remove(fault)
-            fault.apply(self)
-
-    # --- checkpoints ------------------------------------------------------------------------------
-    def get_state(self, *args, **kwargs):
-        state = super().get_state(*args, **kwargs)
-        if getattr(self, "sync_gate", None) is not None:
-            state[GATE_STATE] = self.sync_gate.get_state()
-        return state
-
-    def set_state(self, state) -> None:
-        super().set_state(state)
-        if getattr(self, "sync_gate", None) is not None and GATE_STATE in state:
-            self.sync_gate.set_state(state[GATE_STATE])
-
-    def restore_from_path(self, path, *args, **kwargs):
-        super().restore_from_path(path, *args, **kwargs)
-        self._sync_rollout_weights()   # the restored weights are a new version for the rollouts
-
-    # --- the three steps --------------------------------------------------------------------------
-    def _sample(self):
+    def sample_episodes(self):
         """Rollout actors step their envs with the inference copy (weights version v). A rollout
         actor that dies mid-sample costs only its in-flight request: the others fill the batch, the
         loss is counted (`faults/*`), and RLlib restarts the actor before the next iteration.
@@ -322,72 +56,5 @@ class MoEPPO(PPO):
                 _uses_new_env_runners=True, _return_metrics=True)
             if episodes:
                 self.metrics.aggregate(runner_results, key=ENV_RUNNER_RESULTS)
-        failed = max(0, healthy - self.env_runner_group.num_healthy_remote_workers())
-        self._faults["env_runner_failures"] += failed
-        # A failed request loses what it was asked for: one rollout fragment per vectorised env.
-        self._faults["lost_env_steps"] += failed * self.config.get_rollout_fragment_length() * max(
-            1, self.config.num_envs_per_env_runner)
-        # Episodes with NaN/Inf observations or rewards never reach the checks or the learners.
-        episodes, dropped, steps = drop_nonfinite(episodes or [])
-        self._faults["nonfinite_episodes_dropped"] += dropped
-        self._faults["nonfinite_env_steps_dropped"] += steps
-        self._log_faults()
-        return episodes
+        return self.count_sampling_faults(healthy, episodes)
 
-    def _log_faults(self) -> None:
-        for k, v in self._faults.items():
-            self.metrics.log_value(("moe_rl", f"faults/{k}"), v, window=1)
-
-    def restore_env_runners(self, env_runner_group):
-        """RLlib restarts failed rollout actors and syncs them from the learner group, which may
-        be ahead of the version the rollouts run (a hold). A replacement takes the synced version
-        before it samples."""
-        restored = super().restore_env_runners(env_runner_group)
-        if not restored or env_runner_group is not self.env_runner_group:
-            return restored
-        self._faults["env_runners_restored"] += len(restored)
-        if self.weights_version:
-            self.push_synced_weights(runner_ids=restored, force=True)
-        return restored
-
-    def _update(self, episodes):
-        """PPO epochs on the learner group (RLlib's LearnerGroup or the DeepSpeed one)."""
-        with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
-            learner_results = self.learner_group.update(
-                episodes=episodes,
-                timesteps={
-                    NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
-                        (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME)),
-                    NUM_MODULE_STEPS_TRAINED_LIFETIME: self.metrics.peek(
-                        (LEARNER_RESULTS, ALL_MODULES, NUM_MODULE_STEPS_TRAINED_LIFETIME), default=0),
-                },
-                num_epochs=self.config.num_epochs,
-                minibatch_size=self.config.minibatch_size,
-                shuffle_batch_per_epoch=self.config.shuffle_batch_per_epoch,
-            )
-            self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
-        for rank, stats in enumerate(self.learner_group.memory_stats()):
-            for k, v in stats.items():
-                self.metrics.log_value(("moe_rl", f"learner/{k}/rank{rank}"), v, window=1)
-        return learner_results
-
-
-GATE_STATE = "moe_rl_gate"
-
-
-class PhaseClock:
-    """Seconds per phase of one iteration (sample_s, check_s, learn_s, sync_s): where the time goes."""
-
-    def __init__(self):
-        self.seconds = {"sample_s": 0.0, "check_s": 0.0, "learn_s": 0.0, "sync_s": 0.0}
-        self.total = 0.0
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t0
-            self.seconds[phase] += dt
-            self.total += dt

@@ -1,10 +1,11 @@
-"""MoEPPOConfig's own sections, as builders in RLlib's style: `.moe()`, `.deepspeed()`,
-`.weight_sync()`, `.stability()`, `.consistency()`. MoEPPOConfig (moe_rl.algo.algorithm) mixes them
-into PPOConfig; each stores its keyword arguments in `<section>_settings`.
+"""The MoE sections of every moe-rl AlgorithmConfig, as builders in RLlib's style: `.moe()`,
+`.deepspeed()`, `.weight_sync()`, `.stability()`, `.consistency()`. moe_rl.algo.moe_config mixes
+them into an algorithm's config (MoEPPOConfig, MoEAPPOConfig); each stores its keyword arguments
+in `<section>_settings`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from ray.rllib.algorithms.algorithm_config import NotProvided
 
@@ -12,12 +13,9 @@ from moe_rl.core.gate import CONSISTENCY_DEFAULTS
 from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, WEIGHT_SYNC_DEFAULTS, ConfigError
 from moe_rl.core.stability import STABILITY_DEFAULTS
 
-if TYPE_CHECKING:
-    from moe_rl.algo.algorithm import MoEPPOConfig
-
 
 class MoESections:
-    """The builders of MoEPPOConfig's sections (help(MoEPPOConfig.moe) lists every key)."""
+    """The builders of the MoE sections (help(MoEPPOConfig.moe) lists every key); each returns the config."""
 
     # Builders take every key explicitly (as RLlib's own builders do), so help() and an IDE show
     # them; `**unknown` only turns a misspelt key into the one ConfigError form naming the allowed
@@ -62,7 +60,7 @@ class MoESections:
         positions: str = NotProvided,
         num_heads: int = NotProvided,
         **unknown,
-    ) -> "MoEPPOConfig":
+    ) -> "MoESections":
         """The MoE policy. Defaults: moe_rl.core.settings.MOE_DEFAULTS.
 
         Args:
@@ -132,7 +130,7 @@ class MoESections:
         num_threads: int = NotProvided,
         placement_strategy: str = NotProvided,
         **unknown,
-    ) -> "MoEPPOConfig":
+    ) -> "MoESections":
         """The DeepSpeed expert-parallel learner group. Defaults: moe_rl.core.settings.DEEPSPEED_DEFAULTS.
 
         Args:
@@ -151,7 +149,7 @@ class MoESections:
         bucket_mb: float = NotProvided,
         timeout_s: float = NotProvided,
         **unknown,
-    ) -> "MoEPPOConfig":
+    ) -> "MoESections":
         """How the learners' weights reach the rollout actors. Defaults:
         moe_rl.core.settings.WEIGHT_SYNC_DEFAULTS.
 
@@ -193,7 +191,7 @@ class MoESections:
         flip_rate_max: float = NotProvided,
         rss_growth_mb: float = NotProvided,
         **unknown,
-    ) -> "MoEPPOConfig":
+    ) -> "MoESections":
         """The stability toolkit. Defaults: moe_rl.core.stability.STABILITY_DEFAULTS.
 
         Args:
@@ -246,7 +244,7 @@ class MoESections:
         position_bins: List[int] = NotProvided,
         correction: Dict[str, Any] = NotProvided,
         **unknown,
-    ) -> "MoEPPOConfig":
+    ) -> "MoESections":
         """Drift checks and the sync gate. Defaults: moe_rl.core.gate.CONSISTENCY_DEFAULTS.
 
         Args:

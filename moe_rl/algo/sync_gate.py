@@ -122,16 +122,24 @@ class SyncGate:
                 {mid: {"obs": o} for mid, o in probe.items()}, replay=False)))
         corrupt = self._check_copies()
         lag = algo.updates_since_sync
-        rollout, asked = {}, {}
-        for mid, d in data.items():
-            # Same weights only: steps the rollouts took with the synced version (an episode that
-            # began before the last sync carries older steps: policy lag, not mismatch).
-            keep = d["seq"] == algo.weights_version if lag == 0 else np.ones(len(d["seq"]), bool)
-            d = tree.map_structure(lambda x: x[keep] if isinstance(x, np.ndarray) else x, d)
-            rollout[mid] = {"logp": d["logp"], "topk": d["topk"], "positions": d["positions"]}
-            asked[mid] = {"obs": d["obs"], "actions": d["actions"], "topk": d["topk"]}
+        asked = {mid: {"obs": d["obs"], "actions": d["actions"], "topk": d["topk"]} for mid, d in data.items()}
         view = self.group.trainer_view(asked) if asked else {}   # each module replays as it trains
-        self._pre = {"rollout": rollout, "trainer": view, "lag": lag, "corrupt": corrupt}
+        rollout, trainer, policy_lag = {}, {}, {}
+        for mid, d in data.items():
+            # Each step's policy lag: how many syncs ago the weights it was taken with were synced
+            # (an episode that began before the last sync, or an asynchronous rollout, carries
+            # older steps). Mismatch is measured on the steps taken with the synced version
+            # (the learners hold it when lag == 0): the same weights on both sides.
+            versions = algo.weights_version - np.asarray(d["seq"], dtype=np.int64)
+            same = versions == 0 if lag == 0 else np.ones(len(versions), bool)
+            pick = lambda x, m: x[m] if isinstance(x, np.ndarray) else x   # noqa: E731
+            rollout[mid] = {k: pick(d[k], same) for k in ("logp", "topk", "positions")}
+            trainer[mid] = tree.map_structure(lambda x: pick(x, same), view[mid])
+            policy_lag[mid] = {"versions": versions}
+            if lag == 0 and (~same).any():   # the trainer's view at v of steps taken at older weights
+                policy_lag[mid].update(rollout_logp=d["logp"][~same], trainer_logp=view[mid]["logp"][~same])
+        self._pre = {"rollout": rollout, "trainer": trainer, "lag": lag, "corrupt": corrupt,
+                     "policy_lag": policy_lag}
 
     def _check_copies(self) -> List[str]:
         """Every rollout actor's copy vs the synced weights, by digest. A copy that differs is
@@ -199,7 +207,8 @@ class SyncGate:
         skipped = self.group.publishers(_skipped_steps)[0]
         result = ray.get(self.actor.check.remote(   # lag: before the update (the actor adds this one)
             iteration=algo.iteration + 1, version=algo.weights_version, lag=pre["lag"], rollout=pre["rollout"],
-            trainer=pre["trainer"], stats=stats, candidate_view=candidate, corrupt=pre["corrupt"],
+            trainer=pre["trainer"], policy_lag=pre["policy_lag"], stats=stats, candidate_view=candidate,
+            corrupt=pre["corrupt"],
             replicas=replicas, repairs=self.repairs, skipped=skipped))
         self.rows.extend(result["rows"])
         verdict = result["verdict"]

@@ -54,6 +54,7 @@ from moe_rl.app.checkpoint_integrity import (  # noqa: F401  (names callers reac
 from moe_rl.app.run_signature import FIELD as SIGNATURE
 from moe_rl.app.run_signature import is_signed_by_user, is_signed_file, key_path, sign
 from moe_rl.core.errors import ConfigError
+from moe_rl.core.param_groups import without_targets
 from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
@@ -263,7 +264,8 @@ def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
     if module_id not in full:
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no module {module_id!r}")
     own = module.state_dict()
-    module.load_state_dict(stack_experts(assemble_shards([full[module_id]], unstack_experts(own).keys()), own.keys()),
+    policy = without_targets(full[module_id])   # APPO's old policy is training state, not the policy
+    module.load_state_dict(stack_experts(assemble_shards([policy], unstack_experts(own).keys()), own.keys()),
                            strict=True)
     return module
 
@@ -308,6 +310,7 @@ def verify_weights(algo, path: str, run_config: Dict[str, Any], probe_size: int 
         own = loaded.state_dict().keys()
         # np.array copies: the published arrays come read-only from Ray's object store, and torch
         # warns (once per process, on the user's console) when it wraps a read-only array.
+        state = without_targets(state)
         loaded.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in stack_experts(state, own).items()},
                                strict=True)
         live = _forward_outputs(loaded, obs)

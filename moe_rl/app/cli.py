@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train an MoE policy with PPO (embedded Ray, or RAY_ADDRESS)")
     t.add_argument("--config", help="run config YAML (default: the CartPole quickstart)")
+    t.add_argument("--algo", help="ppo (default) | appo: the RLlib algorithm (`algo:` in the config)")
     t.add_argument("--env", help="gymnasium env id")
     t.add_argument("--iterations", type=int, help="training iterations")
     t.add_argument("--output", help="run directory (default: runs/<env>-<time>)")
@@ -90,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _flag_overrides(args) -> List[str]:
-    flags = {"env": args.env, "iterations": args.iterations, "seed": args.seed,
+    flags = {"algo": args.algo, "env": args.env, "iterations": args.iterations, "seed": args.seed,
              "env_runners.num_env_runners": args.num_env_runners,
              "learners.num_learners": args.num_learners, "moe.ep_size": args.ep_size}
     return [f"{k}={v}" for k, v in flags.items() if v is not None]
@@ -158,7 +159,8 @@ def _check_resume(args, saved, new, other_config) -> None:
     never the model or the learner layout the checkpoint holds; nor may a --config."""
     conflicts = model_conflicts(saved, new)
     if conflicts:
-        flags = (("env", "--env", args.env), ("learners.num_learners", "--num-learners", args.num_learners),
+        flags = (("algo", "--algo", args.algo), ("env", "--env", args.env),
+                 ("learners.num_learners", "--num-learners", args.num_learners),
                  ("moe.ep_size", "--ep-size", args.ep_size))
         given = {field: flag for field, flag, value in flags if value is not None}
         given.update({item.split("=", 1)[0]: f"--set {item.split('=', 1)[0]}" for item in args.set})

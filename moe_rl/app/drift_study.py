@@ -100,7 +100,7 @@ def measure(seq_len: int, source: str, seed: int, run_cfg=None, policy=None) -> 
     try:
         if policy is not None:
             load_trained_policy(algo, policy)
-        episodes = algo._sample()
+        episodes = algo.sample_episodes()
         algo.sync_gate.before_update(episodes)
         algo.sync_gate.after_update()
         row = algo.sync_gate.rows[-1]

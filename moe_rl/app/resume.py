@@ -8,11 +8,10 @@ from typing import Any, Dict, List, Tuple
 
 import yaml
 
-from moe_rl.algo.algorithm import MoEPPOConfig
-from moe_rl.app.run_config import BUILDER_SECTIONS
+from moe_rl.app.run_config import ALGOS, BUILDER_SECTIONS
 from moe_rl.core.settings import MOE_DEFAULTS
 
-MODEL_FIELDS = ("env", "env_config", "moe", "deepspeed.enabled", "deepspeed.config", "learners.num_learners")
+MODEL_FIELDS = ("algo", "env", "env_config", "moe", "deepspeed.enabled", "deepspeed.config", "learners.num_learners")
 
 
 def _plain_yaml(v):
@@ -45,6 +44,7 @@ def model_conflicts(saved: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[st
     (where such runs ran with something else, reading config.yaml filled it in: saved_run_config)."""
     if isinstance(saved.get("moe"), dict):
         saved = {**saved, "moe": {**MOE_DEFAULTS, **saved["moe"]}}
+    saved, new = ({"algo": "ppo", **c} for c in (saved, new))   # runs from before `algo:` are PPO's
     a, b = model_fields(saved), model_fields(new)
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
@@ -75,6 +75,7 @@ def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
     which RLlib refuses to be given (deprecated aliases, whatever their value): those are dropped."""
     cfg = copy.deepcopy(saved)
     cfg.pop("ray_address", None)
+    config_class = ALGOS.get(cfg.get("algo", "ppo"), ALGOS["ppo"])   # a bad one: validate_run_config names it
     for section in BUILDER_SECTIONS:
         if not isinstance(cfg.get(section) or {}, dict):
             continue   # validate_run_config names it
@@ -82,7 +83,7 @@ def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
         for k, v in (cfg.get(section) or {}).items():
             with _DeprecationLog() as log:
                 try:
-                    getattr(MoEPPOConfig(), section)(**{k: v})
+                    getattr(config_class(), section)(**{k: v})
                 except (ValueError, TypeError, DeprecationWarning):
                     continue
             if not log.deprecated:   # an alias RLlib accepts with a warning: it lives in another section

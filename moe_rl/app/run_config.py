@@ -38,6 +38,7 @@ import yaml
 
 import moe_rl.envs  # noqa: F401  registers the moe_rl/ namespace
 from moe_rl.algo.algorithm import MoEPPOConfig
+from moe_rl.algo.appo import MoEAPPOConfig
 from moe_rl.algo.multi_agent import apply_multi_agent, import_path, validate_multi_agent
 from moe_rl.app.wandb_logger import validate_wandb
 from moe_rl.core.gate import validate_consistency
@@ -45,12 +46,14 @@ from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, v
 from moe_rl.core.stability import validate_stability
 
 BUILDER_SECTIONS = ("env_runners", "learners", "training")
-TOP_LEVEL = {"env": str, "env_config": dict, "seed": int, "iterations": int, "stop_return": (int, float, type(None)),
-             "checkpoint_every": int, "output": str, "checkpoint_keep": int,
+TOP_LEVEL = {"algo": str, "env": str, "env_config": dict, "seed": int, "iterations": int,
+             "stop_return": (int, float, type(None)), "checkpoint_every": int, "output": str, "checkpoint_keep": int,
              "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool, "wandb": (dict, type(None)),
              "cluster": dict, "multi_agent": dict}
 RUN_DEFAULTS = {"checkpoint_keep": 3, "checkpoint_verify_every_s": 7200, "restore_on_learner_failure": True}
 SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency", "weight_sync")
+# `algo:` -> the AlgorithmConfig a run builds; every one takes the same MoE sections.
+ALGOS = {"ppo": MoEPPOConfig, "appo": MoEAPPOConfig}
 
 
 def default_config_path() -> str:
@@ -111,7 +114,8 @@ MAX_SEED = 2**31 - 1
 
 
 def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
-    """Check every field and return the built (not started) MoEPPOConfig. With trust_env_code
+    """Check every field and return the built (not started) config (MoEPPOConfig, or the `algo:`
+    one's). With trust_env_code
     false (a config read from a run directory), an env given as an import path is refused before
     anything is imported: naming code in a file is running it."""
 
@@ -129,6 +133,9 @@ def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
     if not math.isfinite(verify_s) or verify_s < 0:
         raise ConfigError(f"checkpoint_verify_every_s: must be a finite number >= 0 (0: every checkpoint), "
                           f"got {verify_s!r}")
+    algo = cfg.get("algo", "ppo")
+    if algo not in ALGOS:
+        raise ConfigError(f"algo: one of {', '.join(ALGOS)}, got {algo!r}")
     if "seed" in cfg and not 0 <= cfg["seed"] <= MAX_SEED:
         raise ConfigError(f"seed: must be an int in [0, {MAX_SEED}], got {cfg['seed']!r}")
     for section in SECTIONS:
@@ -144,7 +151,7 @@ def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
     if not trust_env_code and names_code(env):
         raise ConfigError(f"env: {env!r} names code to import; a run directory's config.yaml may come from "
                           "anyone: pass --trust-env-code to import it")
-    config = MoEPPOConfig().environment(_resolve_env(env), env_config=cfg.get("env_config") or {})
+    config = ALGOS[algo]().environment(_resolve_env(env), env_config=cfg.get("env_config") or {})
     built = _check_env_config(env, cfg.get("env_config") or {})
     cfg = {**cfg, "moe": _with_task_count(env, {**MOE_DEFAULTS, **(cfg.get("moe") or {})}, built)}
     for section in SECTIONS:
@@ -330,6 +337,7 @@ def _unknown_kwargs(env_id: str, env_config: Dict[str, Any]) -> List[str]:
 def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     """The fully resolved run config written to RUN_DIR/config.yaml."""
     out = {k: cfg[k] for k in TOP_LEVEL if k in cfg}
+    out["algo"] = cfg.get("algo", "ppo")
     out.update({k: cfg.get(k, v) for k, v in RUN_DEFAULTS.items()})
     out["moe"] = dict(config.moe_settings)
     out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)

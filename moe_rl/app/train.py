@@ -301,19 +301,25 @@ def ensure_ray(min_cpus: int) -> bool:
     else:
         # Loopback whatever the environment holds (a local Ray is ours, not a cluster), and Ray's
         # token auth said explicitly rather than left to Ray's default for new local clusters.
-        keep_local_ray_on_loopback()
-        require_token_auth()
         console.also_drop(LOGGER_NOISE)
         cpus = max(os.cpu_count() or 1, min_cpus)
         phase = Phase(f"starting a local Ray ({cpus} logical CPUs)")
-        # address="local": a new Ray of our own, never another user's head that ray.init() would
-        # otherwise find on this host (it then also refuses num_cpus). worker_niceness 0: Ray starts
-        # workers at nice 15, and here the workers (rollout actors, learners) are the training, not
-        # background work: at 15, any other process on a shared machine starves them.
-        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=cpus,
-                 _node_ip_address=LOOPBACK, _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
+        start_local_ray(cpus)
     phase.done(f"; Ray listens on {listening_on()}")
     return True
+
+
+def start_local_ray(num_cpus: "int | None" = None, **init_kwargs) -> None:
+    """A new Ray of our own on loopback, whatever the environment holds: the run's, the benches' and
+    the tests'. Ray's token auth is said explicitly rather than left to Ray's default for new local
+    clusters. address="local": never another user's head that ray.init() would otherwise find on
+    this host (it then also refuses num_cpus). worker_niceness 0: Ray starts workers at nice 15, and
+    here the workers (rollout actors, learners) are the training, not background work: at 15, any
+    other process on a shared machine starves them."""
+    keep_local_ray_on_loopback()
+    require_token_auth()
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=num_cpus,
+             _node_ip_address=LOOPBACK, _system_config=EMBEDDED_RAY_SYSTEM_CONFIG, **init_kwargs)
 
 
 def listening_on() -> str:

@@ -6,6 +6,22 @@ update size per group.
 from __future__ import annotations
 
 PARAM_GROUPS = ("router", "shared_expert", "experts", "policy_head", "value_head", "other")
+# A module's target networks (APPO's old policy) sit under attributes with this prefix: RLlib's
+# Polyak copies move them, never the optimizer, and they are no rollout's weights.
+TARGET_PREFIX = "_target_"
+
+
+def is_target(name: str) -> bool:
+    return name.split(".", 1)[0].startswith(TARGET_PREFIX)
+
+
+def without_targets(state: dict) -> dict:
+    return {k: v for k, v in state.items() if not is_target(k)}
+
+
+def trained_modules(module):
+    """Every submodule of `module` outside its target networks."""
+    return [m for name, m in module.named_modules() if not is_target(name)]
 
 
 def param_group(name: str) -> str:

@@ -28,6 +28,7 @@ from torch import nn
 
 from moe_rl.core.experts import Activation
 from moe_rl.core.layer import MoELayer
+from moe_rl.core.param_groups import trained_modules
 
 DEFAULT_TAU = 0.025
 
@@ -61,7 +62,7 @@ class DormantProbe:
         self.dense: List[Tuple[nn.Module, list]] = []
         self._blocks: List[Tuple[str, object]] = []   # in forward order of registration (module order)
         self._handles = []
-        for m in module.modules():
+        for m in trained_modules(module):   # not a target network: it never runs here
             if isinstance(m, MoELayer):
                 seen: list = []
                 self._blocks.append(("moe", (m, seen)))

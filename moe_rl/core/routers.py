@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from moe_rl.core.errors import need
+from moe_rl.core.param_groups import trained_modules
 from moe_rl.core.routing import RoutingRecord, gate_weights, sinkhorn_potentials
 
 ROUTERS = ("topk", "sinkhorn", "bias", "task", "reinforce")
@@ -285,7 +286,8 @@ def build_router(kind: str, d_model: int, num_experts: int, top_k: int, **kw) ->
 
 def balancing_routers(module: nn.Module) -> List[Router]:
     """The routers of `module` that keep balancing state (a plain Router's balance_step does nothing)."""
-    return [m for m in module.modules() if isinstance(m, Router) and type(m).balance_step is not Router.balance_step]
+    return [m for m in trained_modules(module)
+            if isinstance(m, Router) and type(m).balance_step is not Router.balance_step]
 
 
 def balance_step(module: nn.Module, all_reduce: Optional[AllReduce] = None) -> None:

@@ -1,0 +1,78 @@
+"""MoEConfig: what every moe-rl AlgorithmConfig adds to RLlib's (MoEPPOConfig, MoEAPPOConfig).
+
+The MoE sections (`.moe()`, `.deepspeed()`, `.weight_sync()`, `.stability()`, `.consistency()`:
+moe_rl.algo.config_builders), the MoE policy module, the learner group (RLlib's, or the DeepSpeed
+expert-parallel one) and the checks of every section before any actor starts. An algorithm's
+config is this mixin before RLlib's:
+
+    class MoEPPOConfig(MoEConfig, PPOConfig): ...
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict
+
+from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+import moe_rl.envs  # noqa: F401  registers moe_rl/ gymnasium ids in every process that loads a config
+from moe_rl.actors.learner_group import DeepSpeedLearnerGroup
+from moe_rl.algo.config_builders import MoESections
+from moe_rl.core.gate import validate_consistency
+from moe_rl.core.settings import (
+    DEEPSPEED_DEFAULTS,
+    MOE_DEFAULTS,
+    resolve_deepspeed,
+    validate_moe,
+    validate_weight_sync,
+)
+from moe_rl.core.stability import validate_stability
+from moe_rl.rllib.learner_group import MoELearnerGroup
+from moe_rl.rllib.rl_module import MoEPolicyModule
+from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
+
+
+class MoEConfig(MoESections):
+    module_class = MoEPolicyModule   # an algorithm whose loss needs more APIs names its own
+
+    def __init__(self, algo_class=None):
+        super().__init__(algo_class=algo_class)
+        self.moe_settings: Dict[str, Any] = copy.deepcopy(MOE_DEFAULTS)
+        self.deepspeed_settings: Dict[str, Any] = copy.deepcopy(DEEPSPEED_DEFAULTS)
+        self.stability_settings: Dict[str, Any] = {}
+        self.consistency_settings: Dict[str, Any] = {}
+        self.weight_sync_settings: Dict[str, Any] = {}
+        # Per-task returns, success and routing for multi-task envs (nothing for the others). A
+        # user's own `.callbacks(...)` replaces it, as in RLlib: list both to keep it.
+        self.callbacks_class = TaskEpisodeMetrics
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return bool(resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)["enabled"])
+
+    def build_learner_group(self, *, env=None, spaces=None, rl_module_spec=None, placement_group=None):
+        """RLlib's LearnerGroup (as MoELearnerGroup), or the DeepSpeed expert-parallel group: both
+        offer the learner-group interface of moe_rl.rllib.learner_group."""
+        if rl_module_spec is None:
+            rl_module_spec = self.get_multi_rl_module_spec(env=env, spaces=spaces)
+        if not self.uses_deepspeed:
+            return MoELearnerGroup(config=self.copy(), module_spec=rl_module_spec, placement_group=placement_group)
+        config = self.copy(copy_frozen=False)
+        config.deepspeed_settings = resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
+        config.freeze()
+        return DeepSpeedLearnerGroup(config=config, module_spec=rl_module_spec)
+
+    @property
+    def _model_config_auto_includes(self) -> Dict[str, Any]:
+        return super()._model_config_auto_includes | {"moe": dict(self.moe_settings)}
+
+    def get_default_rl_module_spec(self) -> RLModuleSpec:
+        return RLModuleSpec(module_class=self.module_class)
+
+    def validate(self) -> None:
+        super().validate()
+        validate_moe(self.moe_settings, num_learners=self.num_learners)
+        validate_stability(self.stability_settings)
+        resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
+        validate_consistency(self.consistency_settings)
+        validate_weight_sync(self.weight_sync_settings, uses_deepspeed=self.uses_deepspeed,   # evaluation: own runners
+                             num_env_runners=None if self.in_evaluation else self.num_env_runners)

@@ -1,0 +1,41 @@
+"""MoEAPPOModule: the MoE policy with RLlib's TargetNetworkAPI, as APPO's loss needs it.
+
+APPO's surrogate is clipped against an *old* policy, a target copy of the policy trunk and head
+that RLlib's APPOLearner moves towards the trained one every `target_network_update_freq`
+updates. The copies sit under `_target_*` attributes (moe_rl.core.param_groups.TARGET_PREFIX):
+no optimizer group, balance step, dormancy probe or rollout copy ever sees them.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+from ray.rllib.core.columns import Columns
+from ray.rllib.core.learner.utils import make_target_network
+from ray.rllib.core.rl_module.apis import TARGET_NETWORK_ACTION_DIST_INPUTS, TargetNetworkAPI
+
+from moe_rl.core.stability import expert_dropout_off
+from moe_rl.rllib.rl_module import MOE_REPLAY, MOE_TOPK, MoEPolicyModule
+
+
+class MoEAPPOModule(MoEPolicyModule, TargetNetworkAPI):
+    def make_target_networks(self) -> None:
+        self._target_trunk = make_target_network(self.trunk)
+        self._target_pi = make_target_network(self.pi)
+
+    def get_target_network_pairs(self):
+        return [(self.trunk, self._target_trunk), (self.pi, self._target_pi)]
+
+    def forward_target(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        """The old policy's action-dist inputs, routed as the trained trunk routes (the rollout's
+        top-k under routing replay), with no expert dropout: a fixed reference, not a sample."""
+        replay = batch.get(MOE_REPLAY, batch.get(MOE_TOPK)) if self.replay_routing else None
+        with torch.no_grad(), expert_dropout_off(self._target_trunk):
+            features, _ = self._target_trunk(self._trunk_input(batch[Columns.OBS]), replay, False)
+            logits = self._target_pi(features).float()
+            if self.log_std is not None:
+                logits = torch.cat([logits, self.log_std.detach().float().expand_as(logits)], -1)
+        return {TARGET_NETWORK_ACTION_DIST_INPUTS: logits}
+
+    def get_non_inference_attributes(self) -> List[str]:
+        return super().get_non_inference_attributes() + ["_target_trunk", "_target_pi"]
