@@ -36,7 +36,8 @@ def _check(lagged_k3_shift: float, same_shift: float, policy: str = "hold"):
         rollout={"default_policy": {"logp": logp, "topk": topk, "positions": None}},
         trainer={"default_policy": {"logp": logp + same_shift, "topk": topk}},
         policy_lag={"default_policy": {"versions": np.r_[np.zeros(64), np.ones(32), 2 * np.ones(32)],
-                                       "rollout_logp": lagged_rollout, "trainer_logp": lagged_rollout + lagged_k3_shift}},
+                                       "rollout_logp": lagged_rollout,
+                                       "trainer_logp": lagged_rollout + lagged_k3_shift}},
         stats={"finite": True, "terms": {}}, candidate_view={}, corrupt=[], replicas=[])
     return result["verdict"], result["rows"][0]
 
