@@ -6,6 +6,15 @@ from the first learner that holds it); nobody materialises the full model for a 
 rollout side assembles the parts. The placement group requests each learner's resources by name
 (CPU/GPU plus any custom resource, e.g. {"moe_learner": 1}), so an autoscaling cluster can add
 learner nodes for it.
+
+Why not a subclass of RLlib's LearnerGroup: LearnerGroup.__init__ starts its learners through Ray
+Train's BackendExecutor (a torch process group of its own making, DDP-wrapped modules) and its
+update splits the batch with its own sharding; every method a subclass keeps would act on workers
+this group does not have. It offers the same public surface instead (update, get_state /
+set_state, save_to_path / restore_from_path, foreach_learner-style `foreach`, shutdown) plus the
+interface of moe_rl.rllib.learner_group. Its get_state assembles the module on the driver only
+because RLlib's Algorithm.get_state asks for it (in-memory state, Tune); checkpoints never do:
+save_to_path has every learner write its own part.
 """
 from __future__ import annotations
 

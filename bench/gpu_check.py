@@ -122,9 +122,9 @@ def main():
 
         @step("4 collective weight sync")
         def _():
-            ws = algo.weight_sync
+            ws = algo.gate.transport
             _, digests = algo.runner_call(runner_digests)
-            bad = {m: differing(algo.synced_digests[m], d[m]) for d in digests for m in d}
+            bad = {m: differing(algo.gate.synced_digests[m], d[m]) for d in digests for m in d}
             assert ws.fallbacks == 0 and not any(bad.values()), (ws.fallbacks, bad)
             return f"{ws.last_seconds * 1e3:.1f} ms, version {algo.weights_version}, copies bit-exact (bf16)"
 

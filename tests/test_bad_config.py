@@ -1,11 +1,17 @@
 """Invalid settings fail fast: exit code 2, one line naming the field and what is allowed, and no
 Ray started (in-process, so the check is that ray.is_initialized() stays False)."""
+import ast
+import dataclasses
 import inspect
+import os
+import pathlib
 
 import pytest
 import ray
+from ray.rllib.algorithms.algorithm_config import NotProvided
 
 from moe_rl import MoEPPOConfig
+from moe_rl.algo.config_builders import SECTION_FIELDS
 from moe_rl.app.cli import main
 from moe_rl.app.run_config import SECTIONS, TOP_LEVEL
 from moe_rl.core.errors import ConfigError
@@ -14,6 +20,9 @@ from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, WEIGHT_SYNC_D
 from moe_rl.core.stability import STABILITY_DEFAULTS
 
 pytestmark = pytest.mark.pure
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULTS = {"moe": MOE_DEFAULTS, "deepspeed": DEEPSPEED_DEFAULTS, "stability": STABILITY_DEFAULTS,
+            "consistency": CONSISTENCY_DEFAULTS, "weight_sync": WEIGHT_SYNC_DEFAULTS}
 
 CASES = [
     # wrong types
@@ -79,20 +88,52 @@ def test_the_cases_cover_every_section_of_a_run_config():
     assert len({override for override, _ in CASES}) == len(CASES)
 
 
-@pytest.mark.parametrize("section, defaults", [("moe", MOE_DEFAULTS), ("deepspeed", DEEPSPEED_DEFAULTS),
-                                               ("stability", STABILITY_DEFAULTS),
-                                               ("consistency", CONSISTENCY_DEFAULTS),
-                                               ("weight_sync", WEIGHT_SYNC_DEFAULTS)])
-def test_builders_name_every_key(section, defaults):
-    """Every settings key is an explicit, documented keyword of its builder (help() and IDEs show
-    them), and a misspelt one is the same one-line ConfigError as in a run config."""
+@pytest.mark.parametrize("section", list(SECTION_FIELDS))
+def test_each_builder_is_its_sections_dataclass(section):
+    """The builder's keywords are exactly the fields of the section's dataclass, in its order, with no
+    default of their own; its help lists each with the dataclass's default; the validator's defaults
+    are the dataclass's; a misspelt key is the same one-line ConfigError as in a run config."""
+    fields = dataclasses.fields(SECTION_FIELDS[section])
     builder = getattr(MoEPPOConfig, section)
     params = inspect.signature(builder).parameters
     named = [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY]
-    assert named == list(defaults)
-    assert all(f"{n}:" in builder.__doc__ for n in named)
+    assert named == [f.name for f in fields]
+    assert all(params[n].default is NotProvided for n in named)
+    defaults = DEFAULTS[section]
+    assert defaults == dataclasses.asdict(SECTION_FIELDS[section]())
+    assert all(f"{n}: " in builder.__doc__ and f"Default: {defaults[n]!r}" in builder.__doc__.replace("\n        ", " ")
+               for n in named)
     config = MoEPPOConfig()
     with pytest.raises(ConfigError, match=rf"^{section}\.nope: unknown key, allowed: "):
         getattr(config, section)(nope=1)
     getattr(config, section)(**{named[0]: defaults[named[0]]})
     assert getattr(config, f"{section}_settings")[named[0]] == defaults[named[0]]
+
+
+def _literal(node):
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return object()
+
+
+def test_each_default_is_written_once():
+    """No module but moe_rl/core/sections.py holds a table of a section's defaults: a dict literal
+    of three or more of one section's keys, most of them at their default (a chosen model, such
+    as drift_study's, is not one)."""
+    sections = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTION_FIELDS.items()}
+    found = []
+    for path in sorted(pathlib.Path(ROOT).glob("moe_rl/**/*.py")) + sorted(pathlib.Path(ROOT).glob("actors/*.py")):
+        if path.name == "sections.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+                keys = {k.value for k in node.keys}
+                for name, own in sections.items():
+                    if len(keys) >= 3 and keys <= own:
+                        at_default = sum(_literal(v) == DEFAULTS[name][k.value] for k, v in zip(node.keys, node.values))
+                        if at_default >= 0.8 * len(keys):
+                            found.append(f"{path.relative_to(ROOT)}:{node.lineno} ({name}: {sorted(keys)})")
+    assert not found, "\n".join(found)
+
+

@@ -220,7 +220,7 @@ def run(algo, iterations, inject_at=None, fault=None):
 
 def synced_equals_learners(algo) -> bool:
     live = algo.learner_group.module_state()["default_policy"]
-    synced = ray.get(algo.synced_refs[0])["default_policy"]
+    synced = ray.get(algo.gate.synced_refs[0])["default_policy"]
     return all(np.array_equal(live[k], synced[k]) for k in synced)
 
 
@@ -255,7 +255,7 @@ def test_a_rotating_digest_share_catches_a_corrupt_copy_within_k_checks(ray_loca
     algo = config(policy="warn", param_sample=0.5).build_algo()
     try:
         algo.train()
-        share = set(algo.synced_digests["default_policy"])
+        share = set(algo.gate.synced_digests["default_policy"])
         everything = set(algo.runner_call(runner_digests)[1][0]["default_policy"])
         assert 0 < len(share) < len(everything)
         # a dense tensor (the fault writes the module's own state) outside the next check's share
@@ -379,7 +379,7 @@ def test_replica_divergence_is_resynced_under_expert_parallelism(ray_local):
         assert rows[3]["cause"] == "replica_divergence" and rows[3]["action"] == "resync"
         assert "learner 1 vs learner 0: trunk.blocks.0.moe.router.gate.weight: max_diff=0.01" in rows[3][
             "param_breach_lines"]
-        assert rows[4]["cause"] == "" and algo.sync_gate._check_replicas() == []
+        assert rows[4]["cause"] == "" and algo.sync_gate._check_replicas(algo.iteration) == []
     finally:
         algo.stop()
 

@@ -34,12 +34,10 @@ from ray.rllib.utils.metrics import (
 
 from moe_rl.algo.monitoring import MoEMonitoring
 from moe_rl.algo.sync_gate import SyncGate
-from moe_rl.algo.weight_sync import CollectiveWeightSync
 from moe_rl.core.gate import validate_consistency
 from moe_rl.core.sample_filter import drop_nonfinite
 from moe_rl.core.settings import validate_weight_sync
-from moe_rl.rllib.rl_module import MoEPolicyModule
-from moe_rl.rllib.runner import load_shards_into_runner, runner_dtypes, runner_modules
+from moe_rl.rllib.runner import load_shards_into_runner
 
 logger = logging.getLogger(__name__)
 
@@ -49,33 +47,30 @@ class MoEAlgorithm:
 
     def setup(self, config) -> None:
         super().setup(config)
-        settings = validate_consistency(self.config.consistency_settings)
-        self.weights_version = 0          # the version the rollout actors run
-        self.updates_since_sync = 0       # > 0: the learners are ahead of the rollouts (a hold)
-        self._synced_refs: Optional[list] = []   # the learners' published parts of version weights_version
-        self.synced_digests: dict = {}
         self._pending_faults: list = []   # test hooks (moe_rl.algo.faults.inject)
-        self.sync_gate = None
-        sync = validate_weight_sync(self.config.weight_sync_settings)
-        self.weight_sync = CollectiveWeightSync(self, sync) if sync["transport"] == "collective" else None
-        if settings["enabled"] or self.weight_sync is not None:   # what the digests and the wire cast to
-            self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
-        if settings["enabled"]:
-            discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
-                lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()
-                           if isinstance(mod, MoEPolicyModule)})[1][0].items()}
-            self.sync_gate = SyncGate(self, settings, discrete)
+        self.gate = SyncGate(self.env_runner_group, lambda: self.learner_group, self.config.num_learners,
+                             validate_consistency(self.config.consistency_settings),
+                             validate_weight_sync(self.config.weight_sync_settings))
         self._sync_rollout_weights()
         self._faults = {"env_runner_failures": 0, "lost_env_steps": 0, "env_runners_restored": 0,
                         "nonfinite_episodes_dropped": 0, "nonfinite_env_steps_dropped": 0}
         self.monitoring = MoEMonitoring(self)   # driver-only: anomaly detection, memory, Prometheus
         self.callbacks = force_list(self.callbacks) + [self.monitoring]
 
+    @property
+    def sync_gate(self) -> Optional[SyncGate]:
+        """The gate where consistency checks run (their ledger: `sync_gate.rows`), else None."""
+        gate = getattr(self, "gate", None)
+        return gate if gate is not None and gate.checks else None
+
+    @property
+    def weights_version(self) -> int:
+        """The version of the weights the rollout actors run (RLlib's WEIGHTS_SEQ_NO on them)."""
+        return self.gate.version
+
     def cleanup(self) -> None:
-        if getattr(self, "sync_gate", None) is not None:
-            self.sync_gate.close()
-        if getattr(self, "weight_sync", None) is not None:
-            self.weight_sync.close()
+        if getattr(self, "gate", None) is not None:
+            self.gate.close()
         if getattr(self, "monitoring", None) is not None:
             self.monitoring.close()
         super().cleanup()
@@ -88,20 +83,20 @@ class MoEAlgorithm:
         if not episodes:
             return
         steps = sum(len(ep) for ep in episodes)
-        gate = self.sync_gate
-        check = gate is not None and (self.check_due(gate.s["every"]) or gate.holding)
+        gate = self.gate
+        check = gate.checks and (self.check_due(gate.s["every"]) or gate.holding)
         if check:
             with clock("check_s"):
-                gate.before_update(episodes)
+                gate.before_update(episodes, self.iteration)
         self._inject_faults("before_update")
         with clock("learn_s"):
             self._update(episodes)
-        self.updates_since_sync += 1
+        gate.note_update()
         self._inject_faults("after_update")
         try:
             if check:
                 with clock("check_s"):
-                    verdict = gate.after_update()
+                    verdict = gate.after_update(self.iteration)
                 self._log_check(verdict)
                 if verdict["decision"] in ("hold", "rollback"):   # rollouts stay on the last good weights
                     return
@@ -128,59 +123,14 @@ class MoEAlgorithm:
 
     # --- weights ----------------------------------------------------------------------------------
     def runner_call(self, fn, runner_ids=None, **kwargs):
-        """fn(runner, **kwargs) on the rollout actors that sample (the local one when there are
-        no remote ones) -> (runner ids, results)."""
-        group = self.env_runner_group
-        if group.num_remote_env_runners() == 0:
-            return [0], group.foreach_env_runner(lambda r: fn(r, **kwargs), local_env_runner=True)
-        ids = list(runner_ids) if runner_ids is not None else list(group.healthy_env_runner_ids())
-        return ids, group.foreach_env_runner(lambda r: fn(r, **kwargs), remote_worker_ids=ids,
-                                             local_env_runner=False)
-
-    def push_synced_weights(self, runner_ids=None, force: bool = False) -> None:
-        """Load the synced version into rollout actors (all, or `runner_ids`; force: even when
-        they already claim that version)."""
-        refs, version = self.synced_refs, self.weights_version
-        self.runner_call(lambda r: load_shards_into_runner(r, refs, version, force), runner_ids)
-
-    @property
-    def synced_refs(self) -> list:
-        """The learners' published parts of the synced version. Under the collective transport
-        they are published only when asked (a repair, a restarted rollout actor, a failed
-        broadcast): from the parts the learners kept (the gate can hold them back from the
-        synced version), else from their weights, which are the synced version until the next
-        update."""
-        if self._synced_refs is None:
-            self._synced_refs = (self.learner_group.publish_synced() if self.sync_gate is not None
-                                 else self.learner_group.publish_weights(inference_only=True))
-        return self._synced_refs
+        """fn(runner, **kwargs) on the rollout actors that sample -> (runner ids, results)."""
+        return self.gate.runner_call(fn, runner_ids, **kwargs)
 
     def _sync_rollout_weights(self) -> None:
-        """Version v + 1 to the rollout actors. object_store: every learner publishes its own part
-        once (in its node's object store) and each rollout actor pulls and assembles them strictly.
-        collective: every learner broadcasts its part to the rollout actors (the object store
-        serves when that fails) and, for the gate, keeps it. The synced version stays at hand
-        (repairs, restarted actors and the update-size check use it) and its digests, in the
-        rollout copies' dtypes, are taken where the parts live."""
         with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
-            self.weights_version += 1
-            self.updates_since_sync = 0
-            if self.weight_sync is None:
-                self._synced_refs = self.learner_group.publish_weights(inference_only=True)
-                self.push_synced_weights()
-            else:
-                if self.sync_gate is not None:
-                    self.learner_group.keep_synced()
-                self._synced_refs = None
-                if not self.weight_sync.sync(self.weights_version):
-                    self.push_synced_weights()
-                self.metrics.log_value(("moe_rl", "sync/collective_fallbacks"), self.weight_sync.fallbacks, window=1)
-            if self.sync_gate is not None:
-                self.synced_digests = {}
-                for part in self.learner_group.shard_digests(self.rollout_dtypes, self.sync_gate.digest_sample()):
-                    for mid, d in part.items():
-                        self.synced_digests.setdefault(mid, {}).update(d)
-                self.sync_gate.after_sync()
+            self.gate.sync()
+        if self.gate.transport is not None:
+            self.metrics.log_value(("moe_rl", "sync/collective_fallbacks"), self.gate.transport.fallbacks, window=1)
 
     def get_module(self, module_id=DEFAULT_MODULE_ID):
         """RLlib's: the local EnvRunner's module, brought to the synced version first. MoEPPO syncs
@@ -188,13 +138,8 @@ class MoEAlgorithm:
         for spaces and evaluation) would otherwise still hold its initial weights."""
         group = self.env_runner_group
         if group is not None and group.local_env_runner is not None and group.num_remote_env_runners() > 0:
-            load_shards_into_runner(group.local_env_runner, self.synced_refs, self.weights_version)
+            load_shards_into_runner(group.local_env_runner, self.gate.synced_refs, self.gate.version)
         return super().get_module(module_id)
-
-    def reference_refs(self) -> Optional[list]:
-        """What the update-size check compares against: the published parts, or None where the
-        learners kept them (the collective transport)."""
-        return self._synced_refs if self.weight_sync is None else None
 
     def continue_ledgers(self, drift_rows, alerts_total: int, metrics_rows=()) -> None:
         """A resumed run: the gate's ledger, the alert count and the rolling return go on from the
@@ -202,11 +147,6 @@ class MoEAlgorithm:
         if self.sync_gate is not None:
             self.sync_gate.rows[:] = list(drift_rows)
         self.monitoring.continue_from(len(drift_rows), alerts_total, metrics_rows)
-
-    def restore_last_good(self) -> None:
-        """The learners back to the state of the synced version (weights and optimizer moments)."""
-        self.sync_gate.restore()
-        self.updates_since_sync = 0
 
     def _inject_faults(self, stage: str) -> None:
         for fault in [f for f in self._pending_faults if f.stage == stage]:
@@ -216,13 +156,13 @@ class MoEAlgorithm:
     # --- checkpoints ------------------------------------------------------------------------------
     def get_state(self, *args, **kwargs):
         state = super().get_state(*args, **kwargs)
-        if getattr(self, "sync_gate", None) is not None:
+        if self.sync_gate is not None:
             state[GATE_STATE] = self.sync_gate.get_state()
         return state
 
     def set_state(self, state) -> None:
         super().set_state(state)
-        if getattr(self, "sync_gate", None) is not None and GATE_STATE in state:
+        if self.sync_gate is not None and GATE_STATE in state:
             self.sync_gate.set_state(state[GATE_STATE])
 
     def restore_from_path(self, path, *args, **kwargs):
@@ -264,8 +204,8 @@ class MoEAlgorithm:
         if not restored or env_runner_group is not self.env_runner_group:
             return restored
         self._faults["env_runners_restored"] += len(restored)
-        if self.weights_version:
-            self.push_synced_weights(runner_ids=restored, force=True)
+        if self.gate.version:
+            self.gate.push_synced_weights(runner_ids=restored, force=True)
         return restored
 
     @property

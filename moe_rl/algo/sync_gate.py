@@ -1,20 +1,25 @@
-"""SyncGate: the algorithm's side of the consistency check.
+"""SyncGate: the driver's one gate between the learners and the rollout actors.
 
-It gathers what a check needs where it lives and carries out the gate's actions; the decisions
-are the consistency actor's (actors/consistency.py, moe_rl.core.gate):
+It owns the synced weights (their version, which the rollout actors record per step as RLlib's
+WEIGHTS_SEQ_NO; the learners' published parts and their digests; the last good learner state)
+and, with consistency checks on, the consistency actor and its probe set. The algorithm calls
 
-    gate.before_update(episodes)  rollout copies vs the synced weights (digests; repair at once),
-                                  the learners' view of a rollout sample (mismatch, or lag)
-    <learner update>
-    gate.after_update()           replicas (digests; resync), update size + finiteness (computed
-                                  on the learners), the candidate's view of the probe set ->
-                                  sync | warn | hold | rollback | stop (GateStop)
-    gate.after_sync()             the new last good state (exact: weights and optimizer moments)
+    gate.before_update(episodes, i)  rollout copies vs the synced weights (digests; repair at once),
+                                     the learners' view of a rollout sample (mismatch, policy lag)
+    gate.note_update()               <the learner update happened>
+    gate.after_update(i)             replicas (digests; resync), update size + finiteness (computed
+                                     on the learners), the candidate's view of the probe set ->
+                                     sync | warn | hold | rollback | stop (GateStop)
+    gate.sync()                      the learners' parts to the rollout actors (version v + 1), then
+                                     the new last good state (exact: weights and optimizer moments)
+
+and reads nothing of the algorithm: it is given the env-runner group and how to reach the current
+learner group. The decisions are the consistency actor's (actors/consistency.py, moe_rl.core.gate).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import ray
@@ -25,10 +30,11 @@ from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from moe_rl.actors.consistency import ConsistencyActor
+from moe_rl.algo.weight_sync import CollectiveWeightSync
 from moe_rl.core.digests import Sample, differing, max_abs_diff, sample_of
 from moe_rl.core.drift import format_breach
-from moe_rl.rllib.rl_module import MOE_TOPK
-from moe_rl.rllib.runner import runner_digests, runner_tensor
+from moe_rl.rllib.rl_module import MOE_TOPK, MoEPolicyModule
+from moe_rl.rllib.runner import load_shards_into_runner, runner_digests, runner_dtypes, runner_modules, runner_tensor
 
 logger = logging.getLogger("moe_rl")
 
@@ -89,39 +95,128 @@ def _merge(parts: List[Dict[str, Dict]]) -> Dict[str, Dict]:
 
 
 class SyncGate:
-    def __init__(self, algo, settings: Dict[str, Any], discrete: Dict[str, bool]):
-        self.algo, self.s = algo, settings
-        self.actor = ray.remote(ConsistencyActor).options(num_cpus=0).remote(settings, discrete)
-        self.moe_modules = set(discrete)   # the modules whose rollout copy records routing
+    def __init__(self, env_runner_group, learners: Callable[[], Any], num_learners: int,
+                 consistency: Dict[str, Any], weight_sync: Dict[str, Any]):
+        """learners(): the current learner group (a rebuilt one after a learner failure)."""
+        self.env_runner_group, self._learners, self.s = env_runner_group, learners, consistency
+        self.num_learners = num_learners
+        self.checks = bool(consistency["enabled"])
+        self.version = 0                  # the version the rollout actors run
+        self.updates_since_sync = 0       # > 0: the learners are ahead of the rollouts (a hold)
+        self._synced_refs: Optional[list] = []   # the learners' published parts of `version`
+        self.synced_digests: dict = {}
         self.rows: List[Dict[str, Any]] = []
         self.repairs = 0
         self._snapshot = None
         self._pre: Optional[Dict[str, Any]] = None
+        self.transport = CollectiveWeightSync(self, weight_sync) if weight_sync["transport"] == "collective" else None
+        if self.checks or self.transport is not None:   # what the digests and the wire cast to
+            self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
+        self.actor = None
+        if self.checks:
+            discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
+                lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()
+                           if isinstance(mod, MoEPolicyModule)})[1][0].items()}
+            self.moe_modules = set(discrete)   # the modules whose rollout copy records routing
+            self.actor = ray.remote(ConsistencyActor).options(num_cpus=0).remote(consistency, discrete)
 
     @property
-    def group(self):
-        return self.algo.learner_group
+    def learner_group(self):
+        return self._learners()
+
+    group = learner_group
 
     def digest_sample(self, index: Optional[int] = None) -> Sample:
         """The rotating share of tensors the digests cover (consistency.param_sample): the synced
         version's share by default, so the sync-time digests and the next check's agree."""
-        return sample_of(self.s["param_sample"], self.algo.weights_version if index is None else index)
+        return sample_of(self.s["param_sample"], self.version if index is None else index)
 
     @property
     def holding(self) -> bool:
         """The learners are ahead of the rollouts (a hold): every iteration is checked."""
-        return self.algo.updates_since_sync > 0
+        return self.updates_since_sync > 0
+
+    def note_update(self) -> None:
+        self.updates_since_sync += 1
+
+    # --- the synced weights -------------------------------------------------------------------------
+    def runner_call(self, fn, runner_ids=None, **kwargs):
+        """fn(runner, **kwargs) on the rollout actors that sample (the local one when there are
+        no remote ones) -> (runner ids, results)."""
+        group = self.env_runner_group
+        if group.num_remote_env_runners() == 0:
+            return [0], group.foreach_env_runner(lambda r: fn(r, **kwargs), local_env_runner=True)
+        ids = list(runner_ids) if runner_ids is not None else list(group.healthy_env_runner_ids())
+        return ids, group.foreach_env_runner(lambda r: fn(r, **kwargs), remote_worker_ids=ids,
+                                             local_env_runner=False)
+
+    def push_synced_weights(self, runner_ids=None, force: bool = False) -> None:
+        """Load the synced version into rollout actors (all, or `runner_ids`; force: even when
+        they already claim that version)."""
+        refs, version = self.synced_refs, self.version
+        self.runner_call(lambda r: load_shards_into_runner(r, refs, version, force), runner_ids)
+
+    @property
+    def synced_refs(self) -> list:
+        """The learners' published parts of the synced version. Under the collective transport
+        they are published only when asked (a repair, a restarted rollout actor, a failed
+        broadcast): from the parts the learners kept (the gate can hold them back from the
+        synced version), else from their weights, which are the synced version until the next
+        update."""
+        if self._synced_refs is None:
+            self._synced_refs = (self.group.publish_synced() if self.checks
+                                 else self.group.publish_weights(inference_only=True))
+        return self._synced_refs
+
+    def sync(self) -> None:
+        """Version v + 1 to the rollout actors. object_store: every learner publishes its own part
+        once (in its node's object store) and each rollout actor pulls and assembles them strictly.
+        collective: every learner broadcasts its part to the rollout actors (the object store
+        serves when that fails) and, for the gate, keeps it. The synced version stays at hand
+        (repairs, restarted actors and the update-size check use it) and its digests, in the
+        rollout copies' dtypes, are taken where the parts live; then the new last good state."""
+        self.version += 1
+        self.updates_since_sync = 0
+        if self.transport is None:
+            self._synced_refs = self.group.publish_weights(inference_only=True)
+            self.push_synced_weights()
+        else:
+            if self.checks:
+                self.group.keep_synced()
+            self._synced_refs = None
+            if not self.transport.sync(self.version):
+                self.push_synced_weights()
+        if self.checks:
+            self.synced_digests = {}
+            for part in self.group.shard_digests(self.rollout_dtypes, self.digest_sample()):
+                for mid, d in part.items():
+                    self.synced_digests.setdefault(mid, {}).update(d)
+            self.keep_last_good()
+
+    def keep_last_good(self) -> None:
+        """The learners' exact state now (weights and optimizer moments), for a rollback."""
+        self._snapshot = self.group.snapshot()
+
+    def reference_refs(self) -> Optional[list]:
+        """What the update-size check compares against: the published parts, or None where the
+        learners kept them (the collective transport)."""
+        return self._synced_refs if self.transport is None else None
+
+    def restore_last_good(self) -> None:
+        """The learners back to the state of the synced version (weights and optimizer moments)."""
+        if self._snapshot is not None:
+            self.group.restore(self._snapshot)
+        self.updates_since_sync = 0
 
     # --- before the update ------------------------------------------------------------------------
-    def before_update(self, episodes) -> None:
-        algo = self.algo
-        data = rollout_sample(episodes, self.s["sample_size"], seed=algo.iteration, modules=self.moe_modules)
+    def before_update(self, episodes, iteration: int) -> None:
+        data = rollout_sample(episodes, self.s["sample_size"], seed=iteration, modules=self.moe_modules)
         if not ray.get(self.actor.has_probe.remote()) and data:
             probe = {mid: tree.map_structure(lambda x: x[: self.s["probe_size"]], d["obs"]) for mid, d in data.items()}
             ray.get(self.actor.set_probe.remote(probe, self.group.trainer_view(
                 {mid: {"obs": o} for mid, o in probe.items()}, replay=False)))
-        corrupt = self._check_copies()
-        lag = algo.updates_since_sync
+        corrupt = self._check_copies(iteration)
+        lag = self.updates_since_sync
         asked = {mid: {"obs": d["obs"], "actions": d["actions"], "topk": d["topk"]} for mid, d in data.items()}
         view = self.group.trainer_view(asked) if asked else {}   # each module replays as it trains
         rollout, trainer, policy_lag = {}, {}, {}
@@ -130,7 +225,7 @@ class SyncGate:
             # (an episode that began before the last sync, or an asynchronous rollout, carries
             # older steps). Mismatch is measured on the steps taken with the synced version
             # (the learners hold it when lag == 0): the same weights on both sides.
-            versions = algo.weights_version - np.asarray(d["seq"], dtype=np.int64)
+            versions = self.version - np.asarray(d["seq"], dtype=np.int64)
             same = versions == 0 if lag == 0 else np.ones(len(versions), bool)
             pick = lambda x, m: x[m] if isinstance(x, np.ndarray) else x   # noqa: E731
             rollout[mid] = {k: pick(d[k], same) for k in ("logp", "topk", "positions")}
@@ -141,11 +236,10 @@ class SyncGate:
         self._pre = {"rollout": rollout, "trainer": trainer, "lag": lag, "corrupt": corrupt,
                      "policy_lag": policy_lag}
 
-    def _check_copies(self) -> List[str]:
+    def _check_copies(self, iteration: int) -> List[str]:
         """Every rollout actor's copy vs the synced weights, by digest. A copy that differs is
         repaired at once (the synced weights re-sent, then verified); one that still differs
         after two repairs stops the run."""
-        algo = self.algo
         lines: List[str] = []
         for attempt in range(3):
             bad = self._corrupt_copies()
@@ -155,22 +249,21 @@ class SyncGate:
                 lines = self._breach_lines(bad)
             if attempt == 2:
                 rid, mid, name = next((r, m, n) for r, mods in bad.items() for m, names in mods.items() for n in names)
-                self.algo.restore_last_good()
+                self.restore_last_good()
                 raise GateStop(f"corrupt_copy: rollout actor {rid} still differs from the synced weights after two "
                                f"repairs ({mid}: {name}); the run stays resumable: moe-rl train --resume RUN_DIR")
             self.repairs += 1
-            algo.push_synced_weights(runner_ids=list(bad), force=True)
-            logger.warning("moe-rl gate: iteration %d repair (corrupt_copy): %s%s", algo.iteration + 1, lines[0],
+            self.push_synced_weights(runner_ids=list(bad), force=True)
+            logger.warning("moe-rl gate: iteration %d repair (corrupt_copy): %s%s", iteration + 1, lines[0],
                            f" (+{len(lines) - 1} more tensors)" if len(lines) > 1 else "")
         return lines
 
     def _corrupt_copies(self) -> Dict[Any, Dict[str, List[str]]]:
-        algo = self.algo
-        ids, digests = algo.runner_call(runner_digests, sample=self.digest_sample())
+        ids, digests = self.runner_call(runner_digests, sample=self.digest_sample())
         bad = {}
         for rid, actual in zip(ids, digests):
-            mods = {mid: differing(algo.synced_digests.get(mid, {}), actual.get(mid, {}))
-                    for mid in set(algo.synced_digests) | set(actual)}
+            mods = {mid: differing(self.synced_digests.get(mid, {}), actual.get(mid, {}))
+                    for mid in set(self.synced_digests) | set(actual)}
             mods = {m: n for m, n in mods.items() if n}
             if mods:
                 bad[rid] = mods
@@ -179,34 +272,33 @@ class SyncGate:
     def _breach_lines(self, bad) -> List[str]:
         """`rollout actor 1: trunk...fc1.weight: max_diff=0.47 (threshold=0)` per differing tensor:
         only these tensors travel (from the actor and from the learners' synced part)."""
-        algo = self.algo
         synced = None
         lines = []
         for rid, mods in bad.items():
             for mid, names in mods.items():
                 for name in names[:5]:
-                    got = algo.runner_call(runner_tensor, module_id=mid, name=name, runner_ids=[rid])[1][0]
+                    got = self.runner_call(runner_tensor, module_id=mid, name=name, runner_ids=[rid])[1][0]
                     if synced is None:
-                        synced = _merge(ray.get(list(algo.synced_refs)))
+                        synced = _merge(ray.get(list(self.synced_refs)))
                     want = synced.get(mid, {}).get(name)
                     diff = max_abs_diff(want, got) if want is not None and got is not None else float("inf")
                     lines.append(f"rollout actor {rid}: " + format_breach(name, diff, 0.0))
         return lines
 
     # --- after the update -------------------------------------------------------------------------
-    def after_update(self) -> Dict[str, Any]:
-        algo, pre = self.algo, self._pre
+    def after_update(self, iteration: int) -> Dict[str, Any]:
+        pre = self._pre
         self._pre = None
         lag = pre["lag"] + 1            # the candidate is one more update past the synced weights
-        replicas = self._check_replicas()
-        stats = self.group.weight_stats(algo.reference_refs())
+        replicas = self._check_replicas(iteration)
+        stats = self.group.weight_stats(self.reference_refs())
         probe = ray.get(self.actor.get_probe.remote())
         candidate = (self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}, replay=False)
                      if probe else {})
         # The learners agree on skipped steps (a collective decision): the first one's figures.
         skipped = self.group.publishers(_skipped_steps)[0]
         result = ray.get(self.actor.check.remote(   # lag: before the update (the actor adds this one)
-            iteration=algo.iteration + 1, version=algo.weights_version, lag=pre["lag"], rollout=pre["rollout"],
+            iteration=iteration + 1, version=self.version, lag=pre["lag"], rollout=pre["rollout"],
             trainer=pre["trainer"], policy_lag=pre["policy_lag"], stats=stats, candidate_view=candidate,
             corrupt=pre["corrupt"],
             replicas=replicas, repairs=self.repairs, skipped=skipped))
@@ -214,12 +306,12 @@ class SyncGate:
         verdict = result["verdict"]
         causes = [c for c in verdict["causes"] if c != "corrupt_copy"]   # repairs were logged when made
         if causes:   # one line; every breach and per-tensor line is in the ledger (drift.parquet)
-            logger.warning("moe-rl gate: iteration %d %s (%s): %s", algo.iteration + 1,
+            logger.warning("moe-rl gate: iteration %d %s (%s): %s", iteration + 1,
                            ";".join(a for a in verdict["actions"] if a != "repair"), ";".join(causes),
                            "; ".join(verdict["headlines"][c] for c in causes))
         decision = verdict["decision"]
         if decision in ("rollback", "stop"):
-            algo.restore_last_good()
+            self.restore_last_good()
         if decision == "stop":
             raise GateStop(f"bad_update: {verdict['reason']} after {self.s['max_rollbacks']} rollbacks "
                            f"(one is forgiven only after as many passing checks in a row); "
@@ -229,13 +321,13 @@ class SyncGate:
         verdict["lag"] = lag
         return verdict
 
-    def _check_replicas(self) -> List[str]:
+    def _check_replicas(self, iteration: int) -> List[str]:
         """Learners that hold the same tensor must hold the same bytes. A divergence is named and
         the learners are resynchronised from the publishing learner's copy (rank 0 for dense
         tensors, the first holder of each expert)."""
-        if self.algo.config.num_learners < 2:     # one learner: no replica to compare with
+        if self.num_learners < 2:     # one learner: no replica to compare with
             return []
-        digests = self.group.replica_digests(self.digest_sample(self.algo.iteration))
+        digests = self.group.replica_digests(self.digest_sample(iteration))
         first: Dict[tuple, tuple] = {}
         diverged = []
         for rank, mods in enumerate(digests):
@@ -254,20 +346,17 @@ class SyncGate:
         self.group.load_shards(self.group.publish_weights(inference_only=False), inference_only=False)
         return lines
 
-    # --- the last good state ----------------------------------------------------------------------
-    def after_sync(self) -> None:
-        self._snapshot = self.group.snapshot()
-
-    def restore(self) -> None:
-        if self._snapshot is not None:
-            self.group.restore(self._snapshot)
-
+    # --- checkpoints --------------------------------------------------------------------------------
     def get_state(self) -> Dict[str, Any]:
-        return {"actor": ray.get(self.actor.get_state.remote()), "repairs": self.repairs}
+        return {"actor": ray.get(self.actor.get_state.remote()), "repairs": self.repairs} if self.checks else {}
 
     def set_state(self, state: Dict[str, Any]) -> None:
-        ray.get(self.actor.set_state.remote(state.get("actor", {})))
-        self.repairs = int(state.get("repairs", 0))
+        if self.checks:
+            ray.get(self.actor.set_state.remote(state.get("actor", {})))
+            self.repairs = int(state.get("repairs", 0))
 
     def close(self) -> None:
-        ray.kill(self.actor)
+        if self.actor is not None:
+            ray.kill(self.actor)
+        if self.transport is not None:
+            self.transport.close()

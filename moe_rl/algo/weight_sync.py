@@ -39,8 +39,9 @@ def _best_effort(fn, *args, **kwargs) -> None:
 
 
 class CollectiveWeightSync:
-    def __init__(self, algo, settings: Dict[str, Any]):
-        self.algo, self.s = algo, settings
+    def __init__(self, gate, settings: Dict[str, Any]):
+        """gate: the SyncGate that owns the synced weights (its env-runner and learner groups)."""
+        self.algo, self.s = gate, settings
         self.bucket_bytes = int(settings["bucket_mb"] * 2**20)
         self.run_id = uuid.uuid4().hex[:8]
         self.generation = 0

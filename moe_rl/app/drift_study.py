@@ -101,8 +101,8 @@ def measure(seq_len: int, source: str, seed: int, run_cfg=None, policy=None) -> 
         if policy is not None:
             load_trained_policy(algo, policy)
         episodes = algo.sample_episodes()
-        algo.sync_gate.before_update(episodes)
-        algo.sync_gate.after_update()
+        algo.sync_gate.before_update(episodes, algo.iteration)
+        algo.sync_gate.after_update(algo.iteration)
         row = algo.sync_gate.rows[-1]
     finally:
         algo.stop()

@@ -30,6 +30,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from moe_rl.core.correction import resolve_correction
 from moe_rl.core.errors import ConfigError, need
+from moe_rl.core.sections import ConsistencySettings, defaults
 
 POLICIES = ("warn", "hold", "rollback")
 DECISIONS = ("sync", "warn", "hold", "rollback", "stop")
@@ -55,27 +56,7 @@ UPDATE_SIGNALS = {"update_size": 1, "k3_old_new": 2, "probe_flip_rate": 1}
 # 1 000 env steps reached 0.21 over a median of 0.005 (3 of 10 runs warned under a 0.01 floor).
 SIGNAL_FLOORS = {"update_size": 0.01, "k3_old_new": 0.03, "probe_flip_rate": 0.05}
 
-CONSISTENCY_DEFAULTS: Dict[str, Any] = {
-    "enabled": True,
-    "every": 1,               # check before every K-th weight sync (every iteration while holding)
-    "policy": "warn",         # what a bad update does: warn | hold | rollback
-    "thresholds": {},         # absolute overrides: k3, max_abs_logp_diff, routing_agreement (mismatch),
-                              # update_size, k3_old_new, probe_flip_rate (absolute caps, off by default)
-    "relative_z": 8.0,        # bad update: value > median + z * scale of the run's accepted values
-    "relative_warmup": 5,     # checks before the relative limits apply
-    "relative_window": 50,    # accepted values kept per signal
-    "flip_margin": 0.05,      # probe flips count only where the old top-k margin (logits) exceeds it
-    "max_holds": 3,           # consecutive holds before escalating to rollback
-    "max_rollbacks": 3,       # rollbacks before the run stops (resumable); one is forgiven after this
-                              # many passing checks in a row
-    "rollback_lr_scale": 0.5, # the retry after a rollback runs at this LR scale (compounding)
-    "sample_size": 512,       # rollout steps per check given to the trainer-side forward
-    "probe_size": 256,        # fixed probe observations kept for the whole run
-    "param_sample": 1.0,      # share of tensors digested per check (1/K: a rotating 1/K, so every
-                              # tensor is compared, bit for bit, at least every K checks)
-    "position_bins": [8, 16, 32, 64, 128, 256, 512, 1024],
-    "correction": {},         # rollout correction: IS / RS / veto / routing RS (moe_rl.core.correction)
-}
+CONSISTENCY_DEFAULTS: Dict[str, Any] = defaults(ConsistencySettings)   # moe_rl.core.sections
 ABSOLUTE_KEYS = tuple(MISMATCH_LIMITS) + tuple(UPDATE_SIGNALS)
 
 

@@ -15,64 +15,13 @@ from moe_rl.core.errors import ConfigError
 from moe_rl.core.errors import need as _need
 from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS
 from moe_rl.core.routers import ROUTER_INITS, ROUTERS, router_options
+from moe_rl.core.sections import DeepSpeedSettings, MoESettings, WeightSyncSettings, defaults
 
 INFERENCE_DTYPES = ("fp32", "bf16")
 POLICY_HEADS = ("linear", "dual")
 POSITIONS = ("learned", "relative")
 
-MOE_DEFAULTS: Dict[str, Any] = {
-    "num_experts": 8,          # N experts per MoE layer
-    "top_k": 2,                # experts per token
-    "router": "topk",          # one of ROUTERS
-    "num_layers": 2,           # MoE blocks in the policy trunk
-    "d_model": 64,             # trunk width
-    "d_ff": 64,                # expert hidden width
-    "activation": "tanh",
-    "temperature": 1.0,
-    "router_init": "normal",
-    "router_init_std": None,   # None: 0.02 / sqrt(N)
-    "router_kwargs": {},       # router-specific (sinkhorn_epsilon, bias_update_rate, num_tasks, ...)
-    "shared_expert": False,
-    "expert_dropout": 0.0,
-    "capacity_factor": None,   # None = dropless
-    "dispatch": "auto",
-    "aux_loss_coef": 0.01,     # Switch load-balancing loss weight (the ceiling under balance: adaptive)
-    "balance": "fixed",        # fixed | adaptive: the balance loss acts only while the load is unhealthy
-    "z_loss_coef": 0.001,      # ST-MoE router z-loss weight
-    "reinforce_loss_coef": 1.0,  # router "reinforce": weight of its policy-gradient loss
-    "activation_checkpointing": False,  # recompute MoE blocks in backward: memory for compute
-    "policy_head": "linear",   # linear | dual (parallel linear + MLP branches, seed 000's finding)
-    "inference_dtype": "fp32", # numeric setup of the rollout (inference) copy
-    "rollout_compile": False,  # the rollout copy's policy forward through torch.compile (inductor):
-                               # fewer Python and kernel launches per env step, after a compile at its
-                               # first sample; the consistency ledger shows whether it still computes
-                               # the learner's policy (BENCHMARKS.md, "time to target")
-    "ep_size": 1,              # expert-parallel degree of the learner group
-    "routing_replay": "auto",  # R3: the learner replays the rollout's recorded top-k (true: all of it;
-                               # mismatched: only the tokens the trainer routes otherwise at the rollout's
-                               # weights, numeric flips, the rest follow the router). auto: all where the
-                               # routing is not a function of the observation alone (reinforce, the
-                               # vector trunk's capacity; the token trunk's with a bf16 copy),
-                               # mismatched under a bf16 rollout copy, none for an fp32 copy
-    "replay_anchor_coef": 0.01,  # under replay: keeps the router's mass on the replayed experts
-    "normalize_gates": "auto",  # combine weights: softmax renormalised over the chosen k (true) or each
-                                # chosen expert's own router probability (false); auto: false exactly
-                                # under full routing replay (R3 then learns as fast as no replay)
-    # Trainer-only gating (DeepSpeed learner). Each is a training-inference mismatch source that
-    # DeepSpeed turns on by default; here they are off unless asked for.
-    "trainer_capacity_factor": None,          # None = dropless; else drop beyond the capacity
-    "trainer_second_expert_sampling": False,  # Gumbel-sample the 2nd expert (DeepSpeed default)
-    "trainer_random_token_selection": False,  # random survivors at capacity (DeepSpeed's RTS)
-    "vf_hiddens": [64, 64],    # value network (kept outside the MoE)
-    "task_slice": None,        # [start, num_tasks]: one-hot task id inside vector obs, or inside a Dict
-                               # observation's "task" entry (router "task")
-    "encoder": "auto",         # auto | flat | conv: what reads the observation before the MoE blocks
-                               # (auto: a small CNN for image observations, the raw vector otherwise)
-    "max_seq_len": 64,         # token-sequence policies: context length of the transformer (positions
-                               # relative: the longest distance with a bias of its own; any length runs)
-    "positions": "learned",    # token-sequence policies: learned (absolute embeddings) | relative
-    "num_heads": 4,            # token-sequence policies: attention heads
-}
+MOE_DEFAULTS: Dict[str, Any] = defaults(MoESettings)   # each key and what it does: moe_rl.core.sections
 
 
 
@@ -178,12 +127,7 @@ def resolve_gate_normalization(s: Dict[str, Any], full_replay: bool) -> bool:
     return (not full_replay) if s["normalize_gates"] == "auto" else s["normalize_gates"]
 
 
-DEEPSPEED_DEFAULTS: Dict[str, Any] = {
-    "enabled": None,             # None: on when moe.ep_size > 1 or a DeepSpeed config is given
-    "config": {},                # DeepSpeed config dict (or a JSON file path), passed to deepspeed.initialize
-    "num_threads": 1,            # torch intra-op threads per learner process
-    "placement_strategy": "PACK",
-}
+DEEPSPEED_DEFAULTS: Dict[str, Any] = defaults(DeepSpeedSettings)
 
 
 def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int) -> Dict[str, Any]:
@@ -227,13 +171,7 @@ def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int)
 SYNC_TRANSPORTS = ("object_store", "collective")
 SYNC_BACKENDS = ("gloo", "nccl")
 
-WEIGHT_SYNC_DEFAULTS: Dict[str, Any] = {
-    "transport": "object_store",  # object_store | collective (learners broadcast their parts to the rollout actors)
-    "backend": "gloo",            # collective: gloo (CPU buffers) | nccl (every member holds a GPU)
-    "bucket_mb": 32.0,            # collective: one bucket per source in flight, in the rollout copy's dtype
-    "timeout_s": 60.0,            # collective: a member that does not answer in time fails the sync over
-                                  # to the object store (and the group is rebuilt at the next sync)
-}
+WEIGHT_SYNC_DEFAULTS: Dict[str, Any] = defaults(WeightSyncSettings)
 
 
 def validate_weight_sync(d: Dict[str, Any], *, uses_deepspeed: Optional[bool] = None,

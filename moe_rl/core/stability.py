@@ -25,44 +25,15 @@ import torch
 from moe_rl.core.gradients import Lamb, orthonormal_basis, project_, winsorize_
 from moe_rl.core.lr_schedules import GroupLR, positive_int, validate_schedule
 from moe_rl.core.param_groups import PARAM_GROUPS, param_group
+from moe_rl.core.sections import DEFAULT_CLIP_FACTORS, StabilitySettings, defaults
 from moe_rl.core.settings import _is_int, _is_num, _need
 
 OPTIMIZERS = ("adam", "adamw", "lamb")
 
 # Per-group clip factors (x grad_clip): routers are the most fragile part of an MoE, the experts'
 # stacked tensors the largest (docs/stability.md, the toolkit table).
-DEFAULT_CLIP_FACTORS = {"router": 0.5, "shared_expert": 2.0, "experts": 3.0,
-                        "policy_head": 1.0, "value_head": 1.0, "other": 1.0}
 
-STABILITY_DEFAULTS: Dict[str, Any] = {
-    "lr_schedules": {},            # group (or "default": every other group) -> schedule spec, run by
-                                   # torch's schedulers (torch_scheduler); a named group follows its
-                                   # schedule alone, the others follow training.lr (RLlib's lr or its schedule)
-    "grad_clip": None,             # base max-norm (None: off); group threshold = base x factor
-    "grad_clip_factors": dict(DEFAULT_CLIP_FACTORS),
-    "skip_nonfinite": True,        # a non-finite gradient on any learner skips the step on all
-    "winsorize_p": None,           # clamp each gradient to its (1-p) quantile of |g| (None: off)
-    "projection_rank": None,       # project 2-D gradients (each expert matrix) on their top-r right singular vectors
-    "projection_groups": ["experts"],
-    "projection_refresh": 0,       # re-derive the basis every N applied steps (0: keep the first)
-    "router_warmup_steps": 0,      # the first N applied steps update only router parameters
-    "expert_dropout_schedule": None,  # {"start": 0.05, "end": 0.2, "steps": T}: linear in steps
-    "optimizer": "adam",           # adam | adamw | lamb
-    "weight_decay": 0.0,
-    "betas": [0.9, 0.999],
-    "lamb_clamp": 10.0,            # LAMB: upper bound of the weight norm in the trust ratio
-    "anomaly_detection": True,     # rolling-window checks over the iteration metrics
-    "anomaly_window": 100,
-    "anomaly_z": 6.0,              # robust z-score (median / MAD) for spikes and drops
-    "anomaly_min_history": 10,
-    "entropy_band": [0.3, 1.0],    # normalised router entropy outside it is a breach
-    # Pre-clip total gradient norm outside it x the run's median: a breach. No lower side by default:
-    # PPO's gradient shrinks as the policy converges (a healthy quickstart: 0.015-13.6, median 1.8).
-    "grad_norm_band": [0.0, 10.0],
-    "health_warmup": 3,            # iterations before health-band breaches are judged
-    "flip_rate_max": 0.5,          # probe-set routing flip rate above it is routing oscillation
-    "rss_growth_mb": 512.0,        # an actor's RSS growing more than this over the window
-}
+STABILITY_DEFAULTS: Dict[str, Any] = defaults(StabilitySettings)   # moe_rl.core.sections
 
 
 # --- settings ---------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ The same network as MoEPolicyModule's vector/image trunk with every MoE layer re
 feed-forward layer of the same *active* width (top_k x d_ff: `dense_ffn_equal_active`): the same
 encoder (a CNN for images), the same task input, the same residual pre-norm blocks, the same heads
 and a separate value network. It runs under stock RLlib PPO (PPOConfig + RLModuleSpec), with no
-moe-rl learner, check or gate: bench/bench_minigrid.py uses it as the "dense PPO" arm.
+moe-rl learner, check or gate: bench/bench_minigrid.py uses it as the "dense PPO" arm, and
+DenseAPPOPeerModule (with APPO's target network) as stock APPO's in bench/bench_appo.py.
 
     RLModuleSpec(module_class=DensePeerModule, model_config={"moe": {...}})   # the same moe settings
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from ray.rllib.core.columns import Columns
-from ray.rllib.core.rl_module.apis import ValueFunctionAPI
+from ray.rllib.core.learner.utils import make_target_network
+from ray.rllib.core.rl_module.apis import TARGET_NETWORK_ACTION_DIST_INPUTS, TargetNetworkAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from torch import nn
 
@@ -58,3 +60,20 @@ class DensePeerModule(TorchRLModule, ValueFunctionAPI):
         features, _ = self.vf_encoder(self._floats(batch[Columns.OBS]))
         return self.vf(features).squeeze(-1)
 
+
+
+class DenseAPPOPeerModule(DensePeerModule, TargetNetworkAPI):
+    """The dense peer under stock RLlib APPO: its policy path (encoder, blocks, head) with the
+    target copy APPO's loss clips against."""
+
+    def make_target_networks(self) -> None:
+        self._target = nn.ModuleDict({k: make_target_network(getattr(self, k))
+                                      for k in ("encoder", "embed", "blocks", "pi")})
+
+    def get_target_network_pairs(self):
+        return [(getattr(self, k), self._target[k]) for k in ("encoder", "embed", "blocks", "pi")]
+
+    def forward_target(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        t = self._target
+        features, _ = t["encoder"](self._floats(batch[Columns.OBS]))
+        return {TARGET_NETWORK_ACTION_DIST_INPUTS: t["pi"](t["blocks"](tanh(t["embed"](features))))}
