@@ -1,4 +1,4 @@
-"""Collapse experiment (issue 14): a genuine training-inference mismatch switched on, and each remedy.
+"""Collapse experiment: a genuine training-inference mismatch switched on, and each remedy.
 
     .venv/bin/python bench/bench_collapse.py [--source capacity|capacity_half|bf16] [--seeds 5] [--iterations 20]
         [--arms none,tis,rs_veto,r3,routing_rs,hold] [--json OUT]

@@ -1,4 +1,4 @@
-"""torch.compile on the quickstart MoE-PPO learner (issue 16): eager vs the RLModule's forward passes
+"""torch.compile on the quickstart MoE-PPO learner: eager vs the RLModule's forward passes
 compiled with inductor, same seed, one process, one run.
 
     .venv/bin/python bench/bench_compile.py [--iterations 6] [--json OUT]

@@ -1,4 +1,4 @@
-"""The drift study on a trained token policy, every mismatch source (issue 14).
+"""The drift study on a trained token policy, every mismatch source.
 
     .venv/bin/moe-rl train --config configs/tokens_long.yaml --output RUN_DIR      # ~2.5 min here
     .venv/bin/python bench/bench_drift_trained.py --checkpoint RUN_DIR --output OUT

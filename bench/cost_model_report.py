@@ -37,7 +37,7 @@ MEASURED_LEARNER = {  # BENCHMARKS.md, "DeepSpeed learner group: ep_size 1 vs 2"
     2: {"expert_param_bytes": 67_272_704, "peak_rss_mib": [1133.5, 1100.4], "samples_per_s": 3062,
         "alltoall_share": 0.162, "allreduce_share": 0.041},
 }
-# bench/bench_consistency.py --learners 2 (2026-12-01, issue 15's check at the source): the quickstart
+# bench/bench_consistency.py --learners 2 (2026-12-01, the check at the source): the quickstart
 # policy (2 layers, 8 experts, d 64, expert hidden 64, top-2), 2 learners, ep_size 2: check_s 0.043 s per
 # check and 0.012 s more sync (digests, last good state), as the run records them.
 QUICKSTART = {"d_model": 64, "d_ff": 64, "num_layers": 2, "num_experts": 8, "top_k": 2,

@@ -121,8 +121,8 @@ def test_unwritable_output_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_train_with_deepspeed_expert_parallel_learners(tmp_path):
     """`moe-rl train --num-learners 2 --ep-size 2`: DeepSpeed learner group from the CLI; the
-    run's checkpoint evaluates from the learners' shards. As on a fresh install of a busy machine
-    (issue 35): an empty torch extension cache except for the lock a killed build of DeepSpeed's shm
+    run's checkpoint evaluates from the learners' shards. As on a fresh install of a busy machine:
+    an empty torch extension cache except for the lock a killed build of DeepSpeed's shm
     comm op leaves (torch waits on it forever), and both cores busy. The learners compile nothing."""
     out, extensions = tmp_path / "ep2", tmp_path / "torch_extensions"
     (extensions / "deepspeed_shm_comm").mkdir(parents=True)

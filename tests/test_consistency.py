@@ -337,7 +337,7 @@ def test_drift_study_measures_a_trained_checkpoint_at_a_longer_length(ray_local,
 
 
 def test_a_run_whose_correction_rejects_everything_says_so_and_moves_no_weight(ray_local):
-    """Issue 33: a bf16 copy and geometric rejection with the interval [1, 1]: no sequence is kept.
+    """A bf16 copy and geometric rejection with the interval [1, 1]: no sequence is kept.
     Every update is skipped (the weights stay those of the first sync), counted, and the gate
     reports cause all_rejected with its streak."""
     algo = config(ep_size=1, inference_dtype="bf16", routing_replay=False).consistency(

@@ -135,7 +135,7 @@ def test_connector_masks_rejected_steps_out_of_the_loss_denominator():
     assert loss.item() == pytest.approx(loss_kept.item(), rel=1e-5)
 
 
-# --- the edges (issue 33): each test failed on e14abeb ----------------------------------------------
+# --- the edges: each test failed before its fix ----------------------------------------------------
 
 def test_a_kept_interval_without_the_ratio_one_is_refused():
     """rs_threshold < 1 with the default lower bound 1/U > U would reject every step of a run."""

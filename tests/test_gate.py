@@ -395,7 +395,7 @@ def test_k3_by_expert_shows_the_drifting_expert():
     assert got[1] == pytest.approx((2 - 1 - math.log(2)) / 2)
 
 
-# --- the edges (issue 33): each test failed on e14abeb ----------------------------------------------
+# --- the edges: each test failed before its fix ----------------------------------------------------
 
 def _actor(**kw):
     from moe_rl.actors.consistency import ConsistencyActor

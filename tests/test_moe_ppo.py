@@ -131,7 +131,7 @@ OLD_QUICKSTART_TRAINING = {"lr": 3e-4, "gamma": 0.99, "lambda_": 0.95, "train_ba
 
 
 def test_routing_replay_learns_like_no_replay_and_keeps_the_router_balanced(ray_local):
-    """R3 regression (issue 14): counting the loads from the replayed experts froze the balance
+    """R3 regression: counting the loads from the replayed experts froze the balance
     statistic for a whole update and drove one expert into every token's top-2; R3 then learned
     3.5x slower. Loads now come from the router's own choice; under full replay the gates are the
     chosen experts' own probabilities (normalize_gates auto), so the PPO loss can keep the router's

@@ -1,5 +1,5 @@
 """Property tests (Hypothesis) of the remedies at their edges: the rollout correction over its
-settings x inputs, the sync gate's decision function, and the weight-sync buckets (issue 33)."""
+settings x inputs, the sync gate's decision function, and the weight-sync buckets."""
 import math
 
 import pytest

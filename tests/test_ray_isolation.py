@@ -1,4 +1,4 @@
-"""The tests that start and stop Ray heads leave everyone else's Ray alone (issue 36): an unrelated
+"""The tests that start and stop Ray heads leave everyone else's Ray alone: an unrelated
 head and a `moe-rl train` in its own embedded Ray run beside them, survive them, and the run
 finishes. `ray stop` (what the head tests once used) would have killed both."""
 import os

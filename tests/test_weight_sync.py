@@ -42,7 +42,7 @@ def test_pack_unpack_round_trips_in_the_wire_dtype():
 @pytest.mark.pure
 def test_mixed_dtypes_pack_into_one_bucket_aligned():
     """Two bf16 modules then float32 ones (a multi-agent bf16 rollout copy): each entry starts at a
-    multiple of its item size, so a float32 after 5 bf16 values is a valid view (issue 33: this
+    multiple of its item size, so a float32 after 5 bf16 values is a valid view (this
     raised "storage_offset() must be divisible by 4" and the sync fell back after the gloo timeout)."""
     (bucket,) = plan_buckets(ENTRIES, bucket_bytes=10**6)
     values = [torch.randn(e[2]) for e in bucket]

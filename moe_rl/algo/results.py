@@ -11,7 +11,7 @@ prefixed `moe_rl_`, Prometheus names):
     moe/cv, moe/min_util, moe/max_util, moe/active_experts, moe/router_entropy,
     moe/router_entropy_norm, moe/health (healthy|warning|danger), moe/health_level (0|1|2),
     moe/dead_experts, moe/idle_experts, moe/marginal_entropy_norm, moe/collapse_updates (what the
-    grade judges: moe_rl.core.health, docs/stability.md), moe/load_grade (the seeds' table, 0|1|2),
+    grade judges: moe_rl.core.health, docs/stability.md), moe/load_grade (docs/stability.md's LM table, 0|1|2),
     moe/layer{i}/<same metrics>            per MoE layer; the moe/<metric> columns hold the worst layer.
     moe/layer{i}/util/e{j}, .../logit_mean/e{j}, .../logit_std/e{j}   per expert (N <= 64)
     moe/dormant, moe/layer{i}/dormant, moe/layer{i}/dormant/e{j}   tau-dormant share of the trunk's

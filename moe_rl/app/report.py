@@ -8,7 +8,7 @@ optional: a section without its data says "not recorded".
 Per-expert series are used when metrics.parquet has them under these names (logit names as in
 moe_rl.core.metrics.logit_stats): moe/layer{i}/util/e{j} (utilisation share), moe/layer{i}/logit_mean/e{j},
 moe/layer{i}/logit_std/e{j}. Without them the utilisation section plots each layer's min_util and
-max_util against the seeds' utilisation bands instead (raw figures; the grade is moe/health).
+max_util against the LM load table's bands (docs/stability.md) instead (raw; the grade is moe/health).
 """
 from __future__ import annotations
 
@@ -236,9 +236,9 @@ def _utilisation(m, n) -> list:
         def colour(_, u):
             light = 76 - 44 * min(1.0, math.sqrt(max(u, 0.0)))
             return f"hsl({(130, 35, 0)[_band(u, n)]},80%,{light:.0f}%)"
-        # The seeds' LM utilisation bands colour the shares (raw figures); the grade strip above
+        # The LM load table's bands (docs/stability.md) colour the shares (raw figures); the grade strip above
         # is moe_rl.core.health's (dead experts, collapse), which an uneven RL load need not breach.
-        legend = [(GRADE_COLOURS[0], "seeds' band 0.8/N..3/N"), (GRADE_COLOURS[1], "outside"),
+        legend = [(GRADE_COLOURS[0], "LM band 0.8/N..3/N"), (GRADE_COLOURS[1], "outside"),
                   (GRADE_COLOURS[2], "<0.3/N or >8/N"), ("#555", "darker = larger share")]
         for label, (p, experts) in per_expert.items():
             cells = {f"e{j}": [_mean(r.get(f"{p}util/e{j}") for r in b) for b in bins] for j in experts}
@@ -258,10 +258,10 @@ def _utilisation(m, n) -> list:
         hlines = [(1.0 / n, "#555", "uniform 1/N")]
         top = max(y for s in series.values() for _, y in s)
         y_range = (0.0, min(1.0, max(top, WARN_HIGH / n) * 1.25))
-    out.append(xy_plot_svg(series, f"min / max expert utilisation vs the seed LM bands (N={n or '?'})",
+    out.append(xy_plot_svg(series, f"min / max expert utilisation vs the LM load table's bands (N={n or '?'})",
                            ylabel="share of tokens", bands=bands, hlines=hlines, y_range=y_range))
     note = ("per-expert utilisation not logged: layer min/max shares shown; "
-            "bands of the seeds' LM table (green in band, orange outside, red far outside); the grade is moe/health")
+            "LM load table bands, docs/stability.md (green in band, orange outside, red far out); grade: moe/health")
     return [fig_row(out), f'<p class="sub">{note}</p>']
 
 

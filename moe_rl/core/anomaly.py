@@ -9,8 +9,8 @@ A rolling window (default 100 iterations) per metric. Three kinds of check:
     0.044 -> 12.2 -> 0.08, 0.047 -> 9.0 -> 0.03), a fault persists.
   - breach: the health tables, with bands that fit the run — normalised router entropy out of
     band, the routing health grade at danger (moe_rl.core.health: a dead expert or a collapse; the
-    seeds' CV and active-expert bands read RL specialisation as harm, so they are figures, not
-    alerts), the pre-clip gradient norm outside `grad_norm_band` times this run's own median (RL
+    LM load table's CV and active-expert bands, docs/stability.md, read RL specialisation as harm, so
+    they are figures, not alerts), the pre-clip gradient norm outside `grad_norm_band` times this run's own median (RL
     value losses put absolute norms anywhere), new non-finite (skipped) steps — and routing
     oscillation (the margin-aware probe-set flip rate). Breaches are judged only after
     `health_warmup` iterations (the run's own history says nothing before), and alert when they
@@ -24,6 +24,7 @@ import math
 import os
 import re
 import resource
+import statistics
 from collections import deque
 from typing import Any, Deque, Dict, List
 
@@ -64,12 +65,6 @@ def rss_mb() -> float:
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _median(xs: List[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def _danger_reason(row: Dict[str, Any]) -> str:
@@ -117,7 +112,7 @@ class AnomalyDetector:
         lo, hi = s["entropy_band"]
         gl, gh = s["grad_norm_band"]
         grad = row.get("stability/grad_norm/total")
-        median = _median(list(self._grad_norms)) if self._grad_norms else None
+        median = statistics.median(list(self._grad_norms)) if self._grad_norms else None
         skipped = row.get("stability/skipped_steps")
         breaches = {
             "moe/router_entropy_norm": (lambda v: not lo <= v <= hi, f"outside [{lo}, {hi}]", "breach"),
@@ -163,8 +158,8 @@ class AnomalyDetector:
         change = v - last
         hist = self._changes.setdefault(key, deque(maxlen=self.window))
         if len(hist) >= self.s["anomaly_min_history"] and jump is None:
-            med = _median(list(hist))
-            mad = _median([abs(c - med) for c in hist])
+            med = statistics.median(list(hist))
+            mad = statistics.median([abs(c - med) for c in hist])
             # A floor on the scale: a perfectly flat history must not turn rounding noise into alerts.
             scale = max(1.4826 * mad, 1e-3 * max(abs(last), 1e-6), 1e-12)
             z = (change - med) / scale

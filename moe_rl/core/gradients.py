@@ -1,10 +1,10 @@
 """Gradient transforms and the LAMB optimizer of the stability toolkit (pure torch).
 
 - winsorize_: clamp a gradient to its (1 - p) quantile of magnitudes (exact kthvalue up to 16M
-  elements, a sample above: torch.quantile refuses large inputs, a bug of the seed's snippet).
+  elements, a sample above: torch.quantile refuses large inputs).
 - orthonormal_basis / project_: project a 2-d gradient onto its top-r right singular vectors; the
-  basis has orthonormal rows, so g @ P^T @ P is a true projection (the seed's snippet assumed it).
-- Lamb: per-tensor trust ratio with the weight norm clamped (seed: lr 2e-3, clamp 10).
+  basis has orthonormal rows, so g @ P^T @ P is a true projection.
+- Lamb: per-tensor trust ratio with the weight norm clamped (e.g. lr 2e-3, clamp 10: docs/stability.md).
 
 moe_rl.core.stability.StabilityToolkit applies them in its optimizer step.
 """

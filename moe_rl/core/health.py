@@ -1,7 +1,8 @@
 """The health grade of an MoE layer's routing in RL: harm, not specialisation (pure torch).
 
-The seeds' table (min/max utilisation share, CV; moe_rl.core.metrics, `load_grade`) was written for
-LM pre-training, where every batch is i.i.d. tokens and any imbalance is the router's fault. In RL
+docs/stability.md's LM load table (min/max utilisation share, CV; moe_rl.core.metrics,
+`load_grade`) was written for LM pre-training, where every batch is i.i.d. tokens and any
+imbalance is the router's fault. In RL
 the state distribution narrows as the policy converges, so experts see unequal shares of the states:
 that is specialisation, and the table read `warning` on 21 of 28 iterations of a healthy quickstart
 that reached a return of 500 with every expert in use. The grade here looks for the two kinds of

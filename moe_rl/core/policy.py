@@ -172,7 +172,7 @@ class MoETransformerTrunk(nn.Module):
 
 
 class DualBranchHead(nn.Module):
-    """Parallel dual-branch policy head (seed 000's architecture finding): a linear branch plus a
+    """Parallel dual-branch policy head : a linear branch plus a
     small MLP branch, summed. Both output layers start near zero: a near-uniform initial policy."""
 
     def __init__(self, d: int, out: int):
