@@ -19,6 +19,7 @@ learner group. The decisions are the consistency actor's (actors/consistency.py,
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -113,6 +114,8 @@ class SyncGate:
         if self.checks or self.transport is not None:   # what the digests and the wire cast to
             self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
         self.actor = None
+        self._overlap = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-gate")
+        self._copies: Optional[Future] = None
         if self.checks:
             discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
                 lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()
@@ -215,7 +218,10 @@ class SyncGate:
             probe = {mid: tree.map_structure(lambda x: x[: self.s["probe_size"]], d["obs"]) for mid, d in data.items()}
             ray.get(self.actor.set_probe.remote(probe, self.group.trainer_view(
                 {mid: {"obs": o} for mid, o in probe.items()}, replay=False)))
-        corrupt = self._check_copies(iteration)
+        # The rollout copies' digests are taken while the trainer's view and the update run: the
+        # rollout actors are idle then (PPO) or sampling (APPO), and a copy that differs is repaired
+        # before the next sync (or the hold that keeps the rollouts on the synced weights).
+        self._copies = self._overlap.submit(self._corrupt_copies)
         lag = self.updates_since_sync
         asked = {mid: {"obs": d["obs"], "actions": d["actions"], "topk": d["topk"]} for mid, d in data.items()}
         view = self.group.trainer_view(asked) if asked else {}   # each module replays as it trains
@@ -233,16 +239,16 @@ class SyncGate:
             policy_lag[mid] = {"versions": versions}
             if lag == 0 and (~same).any():   # the trainer's view at v of steps taken at older weights
                 policy_lag[mid].update(rollout_logp=d["logp"][~same], trainer_logp=view[mid]["logp"][~same])
-        self._pre = {"rollout": rollout, "trainer": trainer, "lag": lag, "corrupt": corrupt,
+        self._pre = {"rollout": rollout, "trainer": trainer, "lag": lag,
                      "policy_lag": policy_lag}
 
-    def _check_copies(self, iteration: int) -> List[str]:
+    def _check_copies(self, iteration: int, first: Dict[Any, Dict[str, List[str]]]) -> List[str]:
         """Every rollout actor's copy vs the synced weights, by digest. A copy that differs is
         repaired at once (the synced weights re-sent, then verified); one that still differs
         after two repairs stops the run."""
         lines: List[str] = []
         for attempt in range(3):
-            bad = self._corrupt_copies()
+            bad = first if attempt == 0 else self._corrupt_copies()
             if not bad:
                 return lines
             if attempt == 0:
@@ -290,6 +296,7 @@ class SyncGate:
         pre = self._pre
         self._pre = None
         lag = pre["lag"] + 1            # the candidate is one more update past the synced weights
+        corrupt = self._check_copies(iteration, self._copies.result())
         replicas = self._check_replicas(iteration)
         stats = self.group.weight_stats(self.reference_refs())
         probe = ray.get(self.actor.get_probe.remote())
@@ -300,7 +307,7 @@ class SyncGate:
         result = ray.get(self.actor.check.remote(   # lag: before the update (the actor adds this one)
             iteration=iteration + 1, version=self.version, lag=pre["lag"], rollout=pre["rollout"],
             trainer=pre["trainer"], policy_lag=pre["policy_lag"], stats=stats, candidate_view=candidate,
-            corrupt=pre["corrupt"],
+            corrupt=corrupt,
             replicas=replicas, repairs=self.repairs, skipped=skipped))
         self.rows.extend(result["rows"])
         verdict = result["verdict"]
@@ -356,6 +363,7 @@ class SyncGate:
             self.repairs = int(state.get("repairs", 0))
 
     def close(self) -> None:
+        self._overlap.shutdown(wait=True)
         if self.actor is not None:
             ray.kill(self.actor)
         if self.transport is not None:
