@@ -1,7 +1,9 @@
-"""Run configuration: YAML + `--set dotted.key=value` overrides -> a validated MoEPPOConfig.
+"""Run configuration: YAML + `--set dotted.key=value` overrides -> a validated MoEPPOConfig (or
+MoEAPPOConfig under `algo: appo`).
 
-A run config is a plain mapping whose sections are named after the MoEPPOConfig builder methods:
+A run config is a plain mapping whose sections are named after the config's builder methods:
 
+    algo: ppo                   # ppo | appo: the RLlib algorithm (ALGOS)
     env: CartPole-v1            # any gymnasium id, incl. moe_rl/MultiTask-v0, moe_rl/TokenSequence-v0
     env_config: {}
     seed: 0
@@ -14,10 +16,10 @@ A run config is a plain mapping whose sections are named after the MoEPPOConfig 
     env_runners: {num_env_runners: 1, num_envs_per_env_runner: 8}
     learners: {num_learners: 0}
     training: {lr: 0.0003, ...}  # PPOConfig.training keys
-    moe: {num_experts: 8, ...}   # MoEPPOConfig.moe keys (moe_rl.core.settings.MOE_DEFAULTS)
+    moe: {num_experts: 8, ...}   # MoEPPOConfig.moe keys (each section's: moe_rl.core.sections)
     stability: {}
     consistency: {}
-    weight_sync: {transport: object_store}   # MoEPPOConfig.weight_sync keys (moe_rl.core.settings.WEIGHT_SYNC_DEFAULTS)
+    weight_sync: {transport: object_store}   # MoEPPOConfig.weight_sync keys
     wandb: {project: moe-rl, mode: offline}   # optional: log every row to Weights & Biases
     cluster: {wait_timeout_s: 120}            # give up when the actors cannot be placed (null: no limit)
     multi_agent: {policies: {p0: {}, p1: {dense: true}}, mapping: {"0": p0, "1": p1}}   # moe_rl.algo.multi_agent
