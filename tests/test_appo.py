@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from moe_rl import MoEAPPOConfig, MoEPPOConfig
 from moe_rl.actors.consistency import ConsistencyActor
@@ -147,5 +148,25 @@ def test_a_corrupted_rollout_copy_is_repaired_at_the_next_check(ray_local):
         assert "corrupt_copy" in row["cause"] and row["repairs"] >= 1 and "rollout actor 1" in row["param_breach_lines"]
         algo.train()
         assert algo.sync_gate.rows[-1]["cause"] == ""
+    finally:
+        algo.stop()
+
+
+def test_the_target_policy_follows_the_trained_one(ray_local):
+    """APPO clips its surrogate against the target policy: it must move on (a target frozen at the
+    initial policy holds the policy near it; CartPole then plateaus at a return of about 70)."""
+    algo = _appo().training(target_network_update_freq=1, circular_buffer_num_batches=1,
+                            circular_buffer_iterations_per_batch=1).build_algo()
+    try:
+        def target(learner):
+            module = learner.module["default_policy"]
+            return (module._target_pi.weight.detach().clone(),
+                    any(p.requires_grad for p in module._target_trunk.parameters()))
+        initial, _ = algo.learner_group.foreach(target)[0]
+        for _ in range(4):
+            result = algo.train()
+        assert result["learners"]["default_policy"]["num_target_updates"] >= 2
+        now, trainable = algo.learner_group.foreach(target)[0]
+        assert not torch.equal(now, initial) and not trainable
     finally:
         algo.stop()

@@ -27,6 +27,7 @@ from ray.rllib.utils.metrics import (
     LEARNER_RESULTS,
     LEARNER_UPDATE_TIMER,
     NUM_ENV_STEPS_SAMPLED_LIFETIME,
+    NUM_ENV_STEPS_TRAINED_LIFETIME,
     NUM_MODULE_STEPS_TRAINED_LIFETIME,
     SYNCH_WORKER_WEIGHTS_TIMER,
     TIMERS,
@@ -223,6 +224,9 @@ class MoEAlgorithm:
                         (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME)),
                     NUM_MODULE_STEPS_TRAINED_LIFETIME: self.metrics.peek(
                         (LEARNER_RESULTS, ALL_MODULES, NUM_MODULE_STEPS_TRAINED_LIFETIME), default=0),
+                    # APPO's target network moves on after this many trained steps (PPO reads none)
+                    NUM_ENV_STEPS_TRAINED_LIFETIME: self.metrics.peek(
+                        (LEARNER_RESULTS, ALL_MODULES, NUM_ENV_STEPS_TRAINED_LIFETIME), default=0),
                 },
                 num_epochs=self.update_epochs,
                 minibatch_size=self.config.minibatch_size,
