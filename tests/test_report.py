@@ -122,7 +122,7 @@ def test_full_run_renders_every_section(tmp_path, per_expert):
         assert util.count("<rect") >= LAYERS * N * ITERS and "hsl(0," in util  # some cell in the danger band
         assert "not recorded" not in s["3. Router-logit distributions per expert"]
     else:  # min/max lines against the band lines
-        assert "min / max expert utilisation vs the seed LM bands" in util and "uniform 1/N" in util
+        assert "min / max expert utilisation vs the LM load table bands" in util and "uniform 1/N" in util
         assert "not recorded" in s["3. Router-logit distributions per expert"]
     drift = s["5. Training-inference drift"]
     assert "K3 (rollout vs trainer)" in drift and "threshold 0.001" in drift and "K3 vs sequence length" in drift

@@ -337,7 +337,7 @@ def test_health_breaches_alert_when_they_start_and_memory_growth_is_caught():
         i = row["iteration"]
         if 10 <= i < 20:
             row["moe/health_level"] = 2             # a dead expert or a collapse (moe_rl.core.health)
-            row["moe/active_experts"] = 5           # the seeds' band alone no longer alerts
+            row["moe/active_experts"] = 5           # the LM load table's band alone no longer alerts
         if i == 30:
             row["drift/probe_flip_rate"] = 0.9      # routing oscillation
         row["learner/rss_mb/rank0"] = 500 + (20 * (i - 20) if i > 20 else 0)

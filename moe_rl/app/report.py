@@ -258,7 +258,7 @@ def _utilisation(m, n) -> list:
         hlines = [(1.0 / n, "#555", "uniform 1/N")]
         top = max(y for s in series.values() for _, y in s)
         y_range = (0.0, min(1.0, max(top, WARN_HIGH / n) * 1.25))
-    out.append(xy_plot_svg(series, f"min / max expert utilisation vs the LM load table's bands (N={n or '?'})",
+    out.append(xy_plot_svg(series, f"min / max expert utilisation vs the LM load table bands (N={n or '?'})",
                            ylabel="share of tokens", bands=bands, hlines=hlines, y_range=y_range))
     note = ("per-expert utilisation not logged: layer min/max shares shown; "
             "LM load table bands, docs/stability.md (green in band, orange outside, red far out); grade: moe/health")
