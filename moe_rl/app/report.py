@@ -179,7 +179,8 @@ def _mean(values):
 def _header(cfg: dict, m) -> str:
     moe, last = cfg.get("moe") or {}, (m or [{}])[-1]
     returns = [y for _, y in _pts(m, "episode_return_mean_100") or _pts(m, "episode_return_mean")]
-    items = [("env", cfg.get("env")), ("experts", moe.get("num_experts")), ("top_k", moe.get("top_k")),
+    items = [("algorithm", (cfg.get("algo") or "ppo").upper() if cfg else None), ("env", cfg.get("env")),
+             ("experts", moe.get("num_experts")), ("top_k", moe.get("top_k")),
              ("router", moe.get("router")), ("MoE layers", moe.get("num_layers")),
              ("iterations (recorded / configured)", f"{len(m or [])} / {fmt(cfg.get('iterations')) or '?'}"),
              ("env steps", last.get("env_steps_total")), ("wall time (s)", last.get("time_s")),
