@@ -105,10 +105,11 @@ class SyncGate:
         self.version = 0                  # the version the rollout actors run
         self.updates_since_sync = 0       # > 0: the learners are ahead of the rollouts (a hold)
         self._synced_refs: Optional[list] = []   # the learners' published parts of `version`
-        self.synced_digests: dict = {}
+        self._synced_digests: dict = {}
         self.rows: List[Dict[str, Any]] = []
         self.repairs = 0
         self._snapshot = None
+        self._kept_version = -1           # the version whose digests and state were last kept
         self._pre: Optional[Dict[str, Any]] = None
         self.transport = CollectiveWeightSync(self, weight_sync) if weight_sync["transport"] == "collective" else None
         if self.checks or self.transport is not None:   # what the digests and the wire cast to
@@ -176,8 +177,9 @@ class SyncGate:
         once (in its node's object store) and each rollout actor pulls and assembles them strictly.
         collective: every learner broadcasts its part to the rollout actors (the object store
         serves when that fails) and, for the gate, keeps it. The synced version stays at hand
-        (repairs, restarted actors and the update-size check use it) and its digests, in the
-        rollout copies' dtypes, are taken where the parts live; then the new last good state."""
+        (repairs, restarted actors and the update-size check use it); its digests and the last
+        good state are taken by the next check (`_keep_synced_state`), so syncs that no check
+        follows (consistency.every > 1) cost no more than without checks."""
         self.version += 1
         self.updates_since_sync = 0
         if self.transport is None:
@@ -189,12 +191,27 @@ class SyncGate:
             self._synced_refs = None
             if not self.transport.sync(self.version):
                 self.push_synced_weights()
-        if self.checks:
-            self.synced_digests = {}
-            for part in self.group.shard_digests(self.rollout_dtypes, self.digest_sample()):
-                for mid, d in part.items():
-                    self.synced_digests.setdefault(mid, {}).update(d)
-            self.keep_last_good()
+
+    def _keep_synced_state(self) -> None:
+        """The synced version's digests (in the rollout copies' dtypes, taken where the parts live)
+        and the learners' exact state, once per synced version, at its first check: the learners
+        still hold the synced version then (a check runs before the update; while holding, they
+        were kept at the check before the hold)."""
+        if self._kept_version == self.version or not self.checks:
+            return
+        digests: dict = {}
+        for part in self.group.shard_digests(self.rollout_dtypes, self.digest_sample()):
+            for mid, d in part.items():
+                digests.setdefault(mid, {}).update(d)
+        self._synced_digests = digests
+        self.keep_last_good()
+        self._kept_version = self.version
+
+    @property
+    def synced_digests(self) -> dict:
+        """{module: {tensor: digest}} of the synced version (the rotating share of the tensors)."""
+        self._keep_synced_state()
+        return self._synced_digests
 
     def keep_last_good(self) -> None:
         """The learners' exact state now (weights and optimizer moments), for a rollback."""
@@ -213,6 +230,7 @@ class SyncGate:
 
     # --- before the update ------------------------------------------------------------------------
     def before_update(self, episodes, iteration: int) -> None:
+        self._keep_synced_state()
         data = rollout_sample(episodes, self.s["sample_size"], seed=iteration, modules=self.moe_modules)
         if not ray.get(self.actor.has_probe.remote()) and data:
             probe = {mid: tree.map_structure(lambda x: x[: self.s["probe_size"]], d["obs"]) for mid, d in data.items()}
