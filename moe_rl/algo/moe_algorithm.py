@@ -15,7 +15,6 @@ An algorithm is this mixin before RLlib's, with its own `sample_episodes`:
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import Optional
 
@@ -39,8 +38,6 @@ from moe_rl.core.gate import validate_consistency
 from moe_rl.core.sample_filter import drop_nonfinite
 from moe_rl.core.settings import validate_weight_sync
 from moe_rl.rllib.runner import load_shards_into_runner
-
-logger = logging.getLogger(__name__)
 
 
 class MoEAlgorithm:
