@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import torch
-from ray.rllib.core.columns import Columns
 from ray.rllib.core.learner.utils import make_target_network
 from ray.rllib.core.rl_module.apis import TARGET_NETWORK_ACTION_DIST_INPUTS, TargetNetworkAPI
 
 from moe_rl.core.stability import expert_dropout_off
-from moe_rl.rllib.rl_module import MOE_REPLAY, MOE_TOPK, MoEPolicyModule
+from moe_rl.rllib.rl_module import MoEPolicyModule
 
 
 class MoEAPPOModule(MoEPolicyModule, TargetNetworkAPI):
@@ -29,12 +28,9 @@ class MoEAPPOModule(MoEPolicyModule, TargetNetworkAPI):
     def forward_target(self, batch: Dict[str, Any]) -> Dict[str, Any]:
         """The old policy's action-dist inputs, routed as the trained trunk routes (the rollout's
         top-k under routing replay), with no expert dropout: a fixed reference, not a sample."""
-        replay = batch.get(MOE_REPLAY, batch.get(MOE_TOPK)) if self.replay_routing else None
         with torch.no_grad(), expert_dropout_off(self._target_trunk):
-            features, _ = self._target_trunk(self._trunk_input(batch[Columns.OBS]), replay, False)
-            logits = self._target_pi(features).float()
-            if self.log_std is not None:
-                logits = torch.cat([logits, self.log_std.detach().float().expand_as(logits)], -1)
+            logits, _ = self._policy(batch, self._training_replay(batch), trunk=self._target_trunk,
+                                     pi=self._target_pi)
         return {TARGET_NETWORK_ACTION_DIST_INPUTS: logits}
 
     def get_non_inference_attributes(self) -> List[str]:

@@ -143,12 +143,19 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             return {k: v.to(self.compute_dtype) for k, v in obs.items()}
         return obs.to(self.compute_dtype)
 
-    def _policy(self, batch: Dict[str, Any], replay=None, explore: bool = False):
-        features, records = self.trunk(self._trunk_input(batch[Columns.OBS]), replay, explore)
-        logits = self.pi(features).float()
+    def _policy(self, batch: Dict[str, Any], replay=None, explore: bool = False, trunk=None, pi=None):
+        """(action-dist inputs, routing records) of the policy path; trunk / pi: another copy of it
+        (APPO's target policy) in place of the trained one."""
+        trunk, pi = self.trunk if trunk is None else trunk, self.pi if pi is None else pi
+        features, records = trunk(self._trunk_input(batch[Columns.OBS]), replay, explore)
+        logits = pi(features).float()
         if self.log_std is not None:
             logits = torch.cat([logits, self.log_std.float().expand_as(logits)], -1)
         return logits, records
+
+    def _training_replay(self, batch: Dict[str, Any]):
+        """What a training forward replays: the rollout's top-k (or the mismatched-only marks)."""
+        return batch.get(MOE_REPLAY, batch.get(MOE_TOPK)) if self.replay_routing else None
 
     def _forward(self, batch: Dict[str, Any], explore: bool = False, **kwargs) -> Dict[str, Any]:
         obs = batch[Columns.OBS]
@@ -183,8 +190,7 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         return self._forward(batch, explore=True)
 
     def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
-        replay = batch.get(MOE_REPLAY, batch.get(MOE_TOPK)) if self.replay_routing else None
-        logits, records = self._policy(batch, replay)
+        logits, records = self._policy(batch, self._training_replay(batch))
         return {Columns.ACTION_DIST_INPUTS: logits, MOE_ROUTING: records,
                 MOE_TOPK: torch.stack([r.encoded_top_k() for r in records], 1)}
 
