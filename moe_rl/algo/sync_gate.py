@@ -125,10 +125,9 @@ class SyncGate:
             self.actor = ray.remote(ConsistencyActor).options(num_cpus=0).remote(consistency, discrete)
 
     @property
-    def learner_group(self):
+    def group(self):
+        """The current learner group."""
         return self._learners()
-
-    group = learner_group
 
     def digest_sample(self, index: Optional[int] = None) -> Sample:
         """The rotating share of tensors the digests cover (consistency.param_sample): the synced

@@ -41,7 +41,7 @@ def _best_effort(fn, *args, **kwargs) -> None:
 class CollectiveWeightSync:
     def __init__(self, gate, settings: Dict[str, Any]):
         """gate: the SyncGate that owns the synced weights (its env-runner and learner groups)."""
-        self.algo, self.s = gate, settings
+        self.gate, self.s = gate, settings
         self.bucket_bytes = int(settings["bucket_mb"] * 2**20)
         self.run_id = uuid.uuid4().hex[:8]
         self.generation = 0
@@ -55,10 +55,10 @@ class CollectiveWeightSync:
 
     # --- membership ---------------------------------------------------------------------------------
     def _form(self, runner_ids: List[int]) -> None:
-        algo, group = self.algo, self.algo.learner_group
+        group = self.gate.group
         self._dissolve()
         self.generation += 1
-        manifests = group.foreach(source_manifest, wire_dtypes=algo.rollout_dtypes)
+        manifests = group.foreach(source_manifest, wire_dtypes=self.gate.rollout_dtypes)
         names = {rank: f"moe_rl_sync_{self.run_id}_g{self.generation}_s{rank}"
                  for rank, m in enumerate(manifests) if m}
         world = 1 + len(runner_ids)
@@ -82,9 +82,9 @@ class CollectiveWeightSync:
         if not self.sources:
             return
         groups = list(self.sources)
-        _best_effort(self.algo.env_runner_group.foreach_env_runner, lambda r: leave(r, groups),
+        _best_effort(self.gate.env_runner_group.foreach_env_runner, lambda r: leave(r, groups),
                      remote_worker_ids=self.runner_ids, local_env_runner=False)
-        if self._learners is self.algo.learner_group:
+        if self._learners is self.gate.group:
             for g, rank in self.source_rank.items():
                 _best_effort(lambda: ray.get(self._learners.foreach_async(leave, ranks=[rank], groups=[g]),
                                              timeout=self.s["timeout_s"]))
@@ -94,10 +94,10 @@ class CollectiveWeightSync:
     def sync(self, version: int) -> bool:
         """Version `version` to every healthy rollout actor; False: the caller loads it from the
         object store (the groups are formed afresh next time)."""
-        ids = sorted(self.algo.env_runner_group.healthy_env_runner_ids())
+        ids = sorted(self.gate.env_runner_group.healthy_env_runner_ids())
         t0 = time.perf_counter()
         try:
-            if self._stale or ids != self.runner_ids or self._learners is not self.algo.learner_group \
+            if self._stale or ids != self.runner_ids or self._learners is not self.gate.group \
                     or not self.sources:
                 self._form(ids)
             deadline = time.monotonic() + self.s["timeout_s"]
@@ -124,7 +124,7 @@ class CollectiveWeightSync:
     # --- calls that run on both ends at once --------------------------------------------------------
     def _runners_async(self, fn, ids: List[int], **kwargs) -> str:
         tag = f"moe_rl_sync_{uuid.uuid4().hex[:8]}"
-        self.algo.env_runner_group.foreach_env_runner_async(lambda r: fn(r, **kwargs), tag=tag,
+        self.gate.env_runner_group.foreach_env_runner_async(lambda r: fn(r, **kwargs), tag=tag,
                                                             remote_worker_ids=ids)
         return tag
 
@@ -134,7 +134,7 @@ class CollectiveWeightSync:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{n - len(got)} rollout actor(s) did not answer in {self.s['timeout_s']:.0f}s")
-            for wid, result in self.algo.env_runner_group.fetch_ready_async_reqs(tags=tag,
+            for wid, result in self.gate.env_runner_group.fetch_ready_async_reqs(tags=tag,
                                                                                  timeout_seconds=min(left, 1.0)):
                 got[wid] = result
         return got
