@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import yaml
 
-from moe_rl.app.run_config import ALGOS, BUILDER_SECTIONS
+from moe_rl.app.run_config import ALGOS, BUILDER_SECTIONS, RUN_DEFAULTS
 from moe_rl.core.settings import MOE_DEFAULTS
 
 MODEL_FIELDS = ("algo", "env", "env_config", "moe", "deepspeed.enabled", "deepspeed.config", "learners.num_learners")
@@ -44,7 +44,7 @@ def model_conflicts(saved: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[st
     (where such runs ran with something else, reading config.yaml filled it in: saved_run_config)."""
     if isinstance(saved.get("moe"), dict):
         saved = {**saved, "moe": {**MOE_DEFAULTS, **saved["moe"]}}
-    saved, new = ({"algo": "ppo", **c} for c in (saved, new))   # runs from before `algo:` are PPO's
+    saved, new = ({"algo": RUN_DEFAULTS["algo"], **c} for c in (saved, new))   # runs from before `algo:`
     a, b = model_fields(saved), model_fields(new)
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
@@ -75,7 +75,8 @@ def resume_config(saved: Dict[str, Any]) -> Dict[str, Any]:
     which RLlib refuses to be given (deprecated aliases, whatever their value): those are dropped."""
     cfg = copy.deepcopy(saved)
     cfg.pop("ray_address", None)
-    config_class = ALGOS.get(cfg.get("algo", "ppo"), ALGOS["ppo"])   # a bad one: validate_run_config names it
+    # A bad one: validate_run_config names it.
+    config_class = ALGOS.get(cfg.get("algo", RUN_DEFAULTS["algo"]), ALGOS[RUN_DEFAULTS["algo"]])
     for section in BUILDER_SECTIONS:
         if not isinstance(cfg.get(section) or {}, dict):
             continue   # validate_run_config names it

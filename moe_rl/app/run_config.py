@@ -52,7 +52,8 @@ TOP_LEVEL = {"algo": str, "env": str, "env_config": dict, "seed": int, "iteratio
              "stop_return": (int, float, type(None)), "checkpoint_every": int, "output": str, "checkpoint_keep": int,
              "checkpoint_verify_every_s": (int, float), "restore_on_learner_failure": bool, "wandb": (dict, type(None)),
              "cluster": dict, "multi_agent": dict}
-RUN_DEFAULTS = {"checkpoint_keep": 3, "checkpoint_verify_every_s": 7200, "restore_on_learner_failure": True}
+RUN_DEFAULTS = {"algo": "ppo", "checkpoint_keep": 3, "checkpoint_verify_every_s": 7200,
+                "restore_on_learner_failure": True}
 SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency", "weight_sync")
 # `algo:` -> the AlgorithmConfig a run builds; every one takes the same MoE sections.
 ALGOS = {"ppo": MoEPPOConfig, "appo": MoEAPPOConfig}
@@ -135,7 +136,7 @@ def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
     if not math.isfinite(verify_s) or verify_s < 0:
         raise ConfigError(f"checkpoint_verify_every_s: must be a finite number >= 0 (0: every checkpoint), "
                           f"got {verify_s!r}")
-    algo = cfg.get("algo", "ppo")
+    algo = cfg.get("algo", RUN_DEFAULTS["algo"])
     if algo not in ALGOS:
         raise ConfigError(f"algo: one of {', '.join(ALGOS)}, got {algo!r}")
     if "seed" in cfg and not 0 <= cfg["seed"] <= MAX_SEED:
@@ -339,7 +340,6 @@ def _unknown_kwargs(env_id: str, env_config: Dict[str, Any]) -> List[str]:
 def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     """The fully resolved run config written to RUN_DIR/config.yaml."""
     out = {k: cfg[k] for k in TOP_LEVEL if k in cfg}
-    out["algo"] = cfg.get("algo", "ppo")
     out.update({k: cfg.get(k, v) for k, v in RUN_DEFAULTS.items()})
     out["moe"] = dict(config.moe_settings)
     out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
