@@ -63,6 +63,8 @@ class MoEAPPOConfig(MoEConfig, APPOConfig):
 class MoEAPPO(MoEAlgorithm, APPO):
     """APPO whose policy is an MoE (moe_rl.algo.moe_algorithm: one iteration)."""
 
+    _updates_seen = -1   # training steps this process ran (consistency.every counts them)
+
     @classmethod
     def get_default_config(cls) -> MoEAPPOConfig:
         return MoEAPPOConfig()
@@ -70,7 +72,7 @@ class MoEAPPO(MoEAlgorithm, APPO):
     def check_due(self, every: int) -> bool:
         """An APPO iteration is RLlib's (min_time_s_per_iteration: many updates and syncs): the
         check runs before every K-th update."""
-        self._updates_seen = getattr(self, "_updates_seen", -1) + 1
+        self._updates_seen += 1
         return self._updates_seen % every == 0
 
     @property
@@ -86,18 +88,19 @@ class MoEAPPO(MoEAlgorithm, APPO):
         partly sampled with the weights before it (policy lag)."""
         group = self.env_runner_group
         target = self.config.total_train_batch_size
-        episodes, metrics = [], []
+        episodes, metrics, steps = [], [], 0
         with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
             if group.num_remote_env_runners() == 0:
                 episodes, metrics = group.local_env_runner.sample(), [group.local_env_runner.get_metrics()]
                 healthy = 0
             else:
                 healthy = group.num_healthy_remote_workers()
-                while sum(len(e) for e in episodes) < target and group.num_healthy_remote_workers():
+                while steps < target and group.num_healthy_remote_workers():
                     for eps, m in group.foreach_env_runner_async_fetch_ready(
                             _sample_with_metrics, tag=SAMPLE_TAG, timeout_seconds=0.05):
                         episodes.extend(eps)
                         metrics.append(m)
+                        steps += sum(len(e) for e in eps)
             if metrics:
                 self.metrics.aggregate(metrics, key=ENV_RUNNER_RESULTS)
         return self.count_sampling_faults(healthy, episodes)
