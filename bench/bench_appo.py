@@ -28,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_minigrid import _write_json, seeds_of  # noqa: E402
+from bench_minigrid import _write_json, missing_runs  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results", "appo")
@@ -135,13 +135,9 @@ def main():
         return
     os.makedirs(args.results, exist_ok=True)
     _, target, budget = SUITES[args.suite]
-    for seed in seeds_of(args.seeds):
-        for arm in args.arms.split(","):
-            if arm not in ARMS:
-                raise SystemExit(f"--arms: each one of {ARMS}, got {arm!r}")
-            out = os.path.join(args.results, f"{args.suite}-{arm}-seed{seed}.json")
-            if not os.path.exists(out):
-                run_one(arm, args.suite, seed, out, args.budget or budget, args.target or target)
+    for arm, seed, out in missing_runs(args.seeds, args.arms, ARMS,
+                                       lambda a, s: os.path.join(args.results, f"{args.suite}-{a}-seed{s}.json")):
+        run_one(arm, args.suite, seed, out, args.budget or budget, args.target or target)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_minigrid import _write_json, build_config, seeds_of  # noqa: E402
+from bench_minigrid import _write_json, build_config, missing_runs  # noqa: E402
 
 ARMS = ("dense", "moe_task", "moe_topk")
 SUITE, TASKS = "MT5", ("DoorKey-6x6", "LavaGapS7", "RedBlueDoors-6x6", "DistShift1", "MemoryS11")
@@ -221,13 +221,9 @@ def main():
         print(report(args.results))
         return
     os.makedirs(args.results, exist_ok=True)
-    for seed in seeds_of(args.seeds):
-        for arm in args.arms.split(","):
-            if arm not in ARMS:
-                raise SystemExit(f"--arms: each one of {ARMS}, got {arm!r}")
-            out = os.path.join(args.results, f"{arm}-seed{seed}.json")
-            if not os.path.exists(out):
-                run_one(arm, seed, out, args.steps_per_task, args.cycles)
+    for arm, seed, out in missing_runs(args.seeds, args.arms, ARMS,
+                                       lambda a, s: os.path.join(args.results, f"{a}-seed{s}.json")):
+        run_one(arm, seed, out, args.steps_per_task, args.cycles)
 
 
 if __name__ == "__main__":

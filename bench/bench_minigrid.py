@@ -154,6 +154,18 @@ def seeds_of(text: str):
     return [int(s) for s in text.split(",")]
 
 
+def missing_runs(seeds: str, arms: str, allowed, path_of):
+    """(arm, seed, result path) of every run of --seeds x --arms whose result is not there yet: a
+    resumable bench runs only these. A misspelt arm ends the bench, naming the allowed ones."""
+    for seed in seeds_of(seeds):
+        for arm in arms.split(","):
+            if arm not in allowed:
+                raise SystemExit(f"--arms: each one of {tuple(allowed)}, got {arm!r}")
+            out = path_of(arm, seed)
+            if not os.path.exists(out):
+                yield arm, seed, out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--suite", default="MT3", choices=("MT3", "MT5", "MT7"))
