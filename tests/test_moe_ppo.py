@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 from ray.rllib.core.columns import Columns
+from ray.rllib.utils.metrics import ENV_RUNNER_SAMPLING_TIMER, LEARNER_UPDATE_TIMER, SYNCH_WORKER_WEIGHTS_TIMER
 
 from moe_rl import MoEPPO, MoEPPOConfig
 from moe_rl.core.health import HEALTHY
@@ -65,6 +66,21 @@ def test_learner_reports_moe_losses_and_health(trained):
     # A short CartPole run with every expert in use (marginal entropy near 1): healthy, layer by layer.
     assert [learner[k] for k in ("moe/health", "moe/layer0/health", "moe/layer1/health")] == [HEALTHY] * 3
     assert learner["moe/dead_experts"] == learner["moe/idle_experts"] == 0
+
+
+def test_each_phase_is_timed_once_for_rllib_and_for_the_iteration(trained):
+    """One measurement per phase: RLlib's own timers (what its dashboards read) and this iteration's
+    phase seconds, whose sum is the wall time env_steps_per_s divides by."""
+    algo, _ = trained
+    result = algo.train()
+    phases, timers = result["moe_rl"], result["timers"]
+    for rllib_key, phase in ((ENV_RUNNER_SAMPLING_TIMER, "sample_s"), (LEARNER_UPDATE_TIMER, "learn_s"),
+                             (SYNCH_WORKER_WEIGHTS_TIMER, "sync_s")):
+        assert timers[rllib_key] > 0 and phases[phase] > 0, (rllib_key, phase)
+    spent = sum(phases[k] for k in ("sample_s", "check_s", "learn_s", "sync_s"))
+    steps = result["env_runners"]["num_env_steps_sampled"]
+    assert phases["env_steps_per_s"] == pytest.approx(steps / spent, rel=1e-6)
+    assert spent <= result["time_this_iter_s"]
 
 
 def test_rollouts_record_routing_per_step(trained):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
 from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
-from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, ENV_RUNNER_SAMPLING_TIMER, TIMERS
+from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
 
 from moe_rl.algo.moe_algorithm import MoEAlgorithm
 from moe_rl.algo.moe_config import MoEConfig
@@ -46,15 +46,14 @@ class MoEPPO(MoEAlgorithm, PPO):
         loss is counted (`faults/*`), and RLlib restarts the actor before the next iteration.
         Episodes with non-finite observations or rewards are dropped here and counted."""
         healthy = self.env_runner_group.num_healthy_remote_workers()
-        with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
-            by_agent = self.config.count_steps_by == "agent_steps"
-            episodes, runner_results = synchronous_parallel_sample(
-                worker_set=self.env_runner_group,
-                max_agent_steps=self.config.total_train_batch_size if by_agent else None,
-                max_env_steps=None if by_agent else self.config.total_train_batch_size,
-                sample_timeout_s=self.config.sample_timeout_s,
-                _uses_new_env_runners=True, _return_metrics=True)
-            if episodes:
-                self.metrics.aggregate(runner_results, key=ENV_RUNNER_RESULTS)
+        by_agent = self.config.count_steps_by == "agent_steps"
+        episodes, runner_results = synchronous_parallel_sample(
+            worker_set=self.env_runner_group,
+            max_agent_steps=self.config.total_train_batch_size if by_agent else None,
+            max_env_steps=None if by_agent else self.config.total_train_batch_size,
+            sample_timeout_s=self.config.sample_timeout_s,
+            _uses_new_env_runners=True, _return_metrics=True)
+        if episodes:
+            self.metrics.aggregate(runner_results, key=ENV_RUNNER_RESULTS)
         return self.count_sampling_faults(healthy, episodes)
 

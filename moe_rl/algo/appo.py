@@ -15,7 +15,7 @@ updates only (docs/consistency.md, "Asynchronous runs").
 from __future__ import annotations
 
 from ray.rllib.algorithms.appo import APPO, APPOConfig
-from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, ENV_RUNNER_SAMPLING_TIMER, TIMERS
+from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
 
 from moe_rl.algo.moe_algorithm import MoEAlgorithm
 from moe_rl.algo.moe_config import MoEConfig
@@ -89,20 +89,19 @@ class MoEAPPO(MoEAlgorithm, APPO):
         group = self.env_runner_group
         target = self.config.total_train_batch_size
         episodes, metrics, steps = [], [], 0
-        with self.metrics.log_time((TIMERS, ENV_RUNNER_SAMPLING_TIMER)):
-            if group.num_remote_env_runners() == 0:
-                episodes, metrics = group.local_env_runner.sample(), [group.local_env_runner.get_metrics()]
-                healthy = 0
-            else:
-                healthy = group.num_healthy_remote_workers()
-                while steps < target and group.num_healthy_remote_workers():
-                    for eps, m in group.foreach_env_runner_async_fetch_ready(
-                            _sample_with_metrics, tag=SAMPLE_TAG, timeout_seconds=0.05):
-                        episodes.extend(eps)
-                        metrics.append(m)
-                        steps += sum(len(e) for e in eps)
-            if metrics:
-                self.metrics.aggregate(metrics, key=ENV_RUNNER_RESULTS)
+        if group.num_remote_env_runners() == 0:
+            episodes, metrics = group.local_env_runner.sample(), [group.local_env_runner.get_metrics()]
+            healthy = 0
+        else:
+            healthy = group.num_healthy_remote_workers()
+            while steps < target and group.num_healthy_remote_workers():
+                for eps, m in group.foreach_env_runner_async_fetch_ready(
+                        _sample_with_metrics, tag=SAMPLE_TAG, timeout_seconds=0.05):
+                    episodes.extend(eps)
+                    metrics.append(m)
+                    steps += sum(len(e) for e in eps)
+        if metrics:
+            self.metrics.aggregate(metrics, key=ENV_RUNNER_RESULTS)
         return self.count_sampling_faults(healthy, episodes)
 
 

@@ -23,6 +23,7 @@ from ray.rllib.utils import force_list
 from ray.rllib.utils.metrics import (
     ALL_MODULES,
     ENV_RUNNER_RESULTS,
+    ENV_RUNNER_SAMPLING_TIMER,
     LEARNER_RESULTS,
     LEARNER_UPDATE_TIMER,
     NUM_ENV_STEPS_SAMPLED_LIFETIME,
@@ -75,8 +76,8 @@ class MoEAlgorithm:
 
     # --- one iteration ----------------------------------------------------------------------------
     def training_step(self) -> None:
-        clock = PhaseClock()
-        with clock("sample_s"):
+        seconds = dict.fromkeys(PHASES, 0.0)
+        with self._timed("sample_s", seconds):
             episodes = self.sample_episodes()
         if not episodes:
             return
@@ -84,26 +85,40 @@ class MoEAlgorithm:
         gate = self.gate
         check = gate.checks and (self.check_due(gate.s["every"]) or gate.holding)
         if check:
-            with clock("check_s"):
+            with self._timed("check_s", seconds):
                 gate.before_update(episodes, self.iteration)
         self._inject_faults("before_update")
-        with clock("learn_s"):
+        with self._timed("learn_s", seconds):
             self._update(episodes)
         gate.note_update()
         self._inject_faults("after_update")
         try:
             if check:
-                with clock("check_s"):
+                with self._timed("check_s", seconds):
                     verdict = gate.after_update(self.iteration)
                 self._log_check(verdict)
                 if verdict["decision"] in ("hold", "rollback"):   # rollouts stay on the last good weights
                     return
-            with clock("sync_s"):
+            with self._timed("sync_s", seconds):
                 self._sync_rollout_weights()
         finally:
-            clock.seconds["env_steps_per_s"] = steps / max(clock.total, 1e-9)
-            for k, v in clock.seconds.items():
+            seconds["env_steps_per_s"] = steps / max(sum(seconds.values()), 1e-9)
+            for k, v in seconds.items():
                 self.metrics.log_value(("moe_rl", k), v, window=1)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str, seconds: dict):
+        """Times a phase once. The one measurement goes to RLlib's own timer for that phase (TIMERS,
+        where RLlib has one: what RLlib's dashboards read) and to this iteration's phase seconds
+        (`moe_rl/<phase>`, per iteration: where the time went, and the check's share)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            seconds[phase] += dt
+            if phase in RLLIB_TIMERS:
+                self.metrics.log_value((TIMERS, RLLIB_TIMERS[phase]), dt, reduce="ema")
 
     def _log_check(self, verdict) -> None:
         rows = self.sync_gate.rows
@@ -125,8 +140,7 @@ class MoEAlgorithm:
         return self.gate.runner_call(fn, runner_ids, **kwargs)
 
     def _sync_rollout_weights(self) -> None:
-        with self.metrics.log_time((TIMERS, SYNCH_WORKER_WEIGHTS_TIMER)):
-            self.gate.sync()
+        self.gate.sync()
         if self.gate.transport is not None:
             self.metrics.log_value(("moe_rl", "sync/collective_fallbacks"), self.gate.transport.fallbacks, window=1)
 
@@ -213,23 +227,22 @@ class MoEAlgorithm:
     def _update(self, episodes):
         """The algorithm's loss over the batch on the learner group (RLlib's LearnerGroup or the
         DeepSpeed one), `update_epochs` passes."""
-        with self.metrics.log_time((TIMERS, LEARNER_UPDATE_TIMER)):
-            learner_results = self.learner_group.update(
-                episodes=episodes,
-                timesteps={
-                    NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
-                        (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME)),
-                    NUM_MODULE_STEPS_TRAINED_LIFETIME: self.metrics.peek(
-                        (LEARNER_RESULTS, ALL_MODULES, NUM_MODULE_STEPS_TRAINED_LIFETIME), default=0),
-                    # APPO's target network moves on after this many trained steps (PPO reads none)
-                    NUM_ENV_STEPS_TRAINED_LIFETIME: self.metrics.peek(
-                        (LEARNER_RESULTS, ALL_MODULES, NUM_ENV_STEPS_TRAINED_LIFETIME), default=0),
-                },
-                num_epochs=self.update_epochs,
-                minibatch_size=self.config.minibatch_size,
-                shuffle_batch_per_epoch=self.config.shuffle_batch_per_epoch,
-            )
-            self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
+        learner_results = self.learner_group.update(
+            episodes=episodes,
+            timesteps={
+                NUM_ENV_STEPS_SAMPLED_LIFETIME: self.metrics.peek(
+                    (ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME)),
+                NUM_MODULE_STEPS_TRAINED_LIFETIME: self.metrics.peek(
+                    (LEARNER_RESULTS, ALL_MODULES, NUM_MODULE_STEPS_TRAINED_LIFETIME), default=0),
+                # APPO's target network moves on after this many trained steps (PPO reads none)
+                NUM_ENV_STEPS_TRAINED_LIFETIME: self.metrics.peek(
+                    (LEARNER_RESULTS, ALL_MODULES, NUM_ENV_STEPS_TRAINED_LIFETIME), default=0),
+            },
+            num_epochs=self.update_epochs,
+            minibatch_size=self.config.minibatch_size,
+            shuffle_batch_per_epoch=self.config.shuffle_batch_per_epoch,
+        )
+        self.metrics.aggregate(learner_results, key=LEARNER_RESULTS)
         for rank, stats in enumerate(self.learner_group.memory_stats()):
             for k, v in stats.items():
                 self.metrics.log_value(("moe_rl", f"learner/{k}/rank{rank}"), v, window=1)
@@ -237,21 +250,7 @@ class MoEAlgorithm:
 
 
 GATE_STATE = "moe_rl_gate"
-
-
-class PhaseClock:
-    """Seconds per phase of one iteration (sample_s, check_s, learn_s, sync_s): where the time goes."""
-
-    def __init__(self):
-        self.seconds = {"sample_s": 0.0, "check_s": 0.0, "learn_s": 0.0, "sync_s": 0.0}
-        self.total = 0.0
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t0
-            self.seconds[phase] += dt
-            self.total += dt
+PHASES = ("sample_s", "check_s", "learn_s", "sync_s")
+# RLlib's timer for each phase it times itself in its own training_step (the check is moe-rl's)
+RLLIB_TIMERS = {"sample_s": ENV_RUNNER_SAMPLING_TIMER, "learn_s": LEARNER_UPDATE_TIMER,
+                "sync_s": SYNCH_WORKER_WEIGHTS_TIMER}
