@@ -154,7 +154,7 @@ def first_danger(rows):
 
 
 def table(runs, regrade=False):
-    lines = ["| group | run | iterations judged | healthy | warning | danger | seeds' table healthy | load alerts "
+    lines = ["| group | run | iterations judged | healthy | warning | danger | load table healthy | load alerts "
              "| detail |", "|---|---|---|---|---|---|---|---|---|"]
     healthy_judged = healthy_ok = 0
     off_detected = off_crashed = dead_detected = dead_runs_n = 0

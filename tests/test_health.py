@@ -36,7 +36,7 @@ def grades(watch, records):
 
 @pytest.mark.pure
 def test_specialisation_with_an_uneven_load_stays_healthy():
-    """Shares from 0.16/N to 3.5/N with a confident router: the seeds' table reads danger (min
+    """Shares from 0.16/N to 3.5/N with a confident router: the load table (docs/stability.md) reads danger (min
     share below 0.3/N), the grade healthy: every expert in use, the load spread."""
     shares = [0.44, 0.2, 0.12, 0.08, 0.06, 0.05, 0.03, 0.02]   # 3.5/N .. 0.16/N
     watch = HealthWatch()
