@@ -280,6 +280,11 @@ class LearnerActor:
 
 
 # --- learner_rank_{r}.pt: plain data only, loaded without unpickling code --------------------------
+# Why not torch.serialization.add_safe_globals: RLlib's learner state holds numpy arrays and scalars,
+# and a weights_only load of those needs four numpy internals allowed (checked with torch 2.13's
+# get_unsafe_globals_in_checkpoint: numpy._core.multiarray._reconstruct and .scalar, numpy.ndarray,
+# numpy.dtype; private names that moved in numpy 2). Tensors instead keep the file readable by any
+# weights_only reader with no allow-list to keep in step with numpy.
 TORCH_RNG = "moe_rl_torch_rng"
 _TUPLE, _NDARRAY = "__moe_rl_tuple__", "__moe_rl_ndarray__"
 
