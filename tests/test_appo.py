@@ -152,6 +152,25 @@ def test_a_corrupted_rollout_copy_is_repaired_at_the_next_check(ray_local):
         algo.stop()
 
 
+def test_a_harmful_update_is_held_as_a_bad_update_while_healthy_ones_sync(ray_local):
+    """The gate's other side under APPO's many small updates: one optimizer step at LR x 1000 is
+    held (the rollouts keep the last good weights), the healthy updates before it all synced."""
+    algo = _appo().consistency(relative_warmup=3).build_algo()
+    try:
+        for _ in range(4):
+            algo.train()
+        healthy = list(algo.sync_gate.rows)
+        assert len(healthy) >= 4 and {r["decision"] for r in healthy} == {"sync"}
+        faults.inject(algo, faults.HarmfulUpdate(factor=1000))
+        algo.train()
+        first, *later = algo.sync_gate.rows[len(healthy):]
+        assert first["decision"] == "hold" and first["cause"] == "bad_update", first["reason"]
+        assert "k3_old_new" in first["reason"] and "update_size" in first["reason"]
+        assert all(r["lag_versions"] >= 1 for r in later if r["decision"] == "hold")
+    finally:
+        algo.stop()
+
+
 def test_the_target_policy_follows_the_trained_one(ray_local):
     """APPO clips its surrogate against the target policy: it must move on (a target frozen at the
     initial policy holds the policy near it; CartPole then plateaus at a return of about 70)."""
