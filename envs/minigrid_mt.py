@@ -115,10 +115,14 @@ class MultiTaskMiniGrid(gym.Env):
         self._one_hot = np.eye(self.num_tasks, dtype=np.float32)
         self._task: Optional[int] = None
 
+    @property
+    def segment(self) -> int:
+        """The sequential schedule's block of steps now (task t of cycle c is segment c * tasks + t)."""
+        return min(self._steps_total * self.copies // self.steps_per_task, self.num_tasks * self.cycles - 1)
+
     def scheduled_task(self) -> int:
-        """The task the sequential schedule plays now, and its cycle (from 0)."""
-        phase = min(self._steps_total * self.copies // self.steps_per_task, self.num_tasks * self.cycles - 1)
-        return phase % self.num_tasks
+        """The task the sequential schedule plays now."""
+        return self.segment % self.num_tasks
 
     @property
     def cycle(self) -> int:
@@ -143,7 +147,7 @@ class MultiTaskMiniGrid(gym.Env):
             raise ValueError(f"task_id: must be an int in [0, {self.num_tasks - 1}], got {task!r}")
         self._task = int(task)
         image, _ = self.envs[self._task].reset()
-        return self._obs(image), {"task": self.task_names[self._task], "task_id": self._task}
+        return self._obs(image), self._info()
 
     def step(self, action):
         if self._task is None:
@@ -151,11 +155,17 @@ class MultiTaskMiniGrid(gym.Env):
         image, reward, terminated, truncated, _ = self.envs[self._task].step(action)
         self._steps_per_task[self._task] += 1
         self._steps_total += 1
-        info = {"task": self.task_names[self._task], "task_id": self._task}
+        info = self._info()
         if terminated or truncated:
             info["success"] = bool(terminated and reward > 0)
             info["num_tasks"] = self.num_tasks
         return self._obs(image), float(reward), terminated, truncated, info
+
+    def _info(self):
+        info = {"task": self.task_names[self._task], "task_id": self._task}
+        if self.schedule == "sequential":   # a planned change of task: the anomaly watch restarts there
+            info["segment"] = self.segment
+        return info
 
     def close(self):
         for env in self.envs:

@@ -61,6 +61,47 @@ def test_same_seed_same_episodes_and_every_task_gets_its_share_of_steps():
     assert steps.min() > 0 and steps.max() - steps.min() <= max(env.max_steps)
 
 
+@pytest.mark.pure
+def test_the_sequential_schedule_plays_the_tasks_in_order_then_cycles_and_names_its_segment():
+    """Each episode plays the task of the block its first step falls in (segment s: task s mod 3),
+    the blocks advance with this copy's steps x copies, and the last block plays on after the last
+    cycle. Every info names the segment: the anomaly watch restarts its series there."""
+    env = MultiTaskMiniGrid("MT3", schedule="sequential", steps_per_task=400, cycles=2, copies=2)
+    rng = np.random.default_rng(0)
+    obs, info = env.reset(seed=0)
+    starts = [(info["segment"], info["task_id"])]
+    for step in range(1, 2_000):
+        obs, r, term, trunc, info = env.step(int(rng.integers(7)))
+        assert info["segment"] == min(step * 2 // 400, 5)
+        if term or trunc:
+            obs, info = env.reset()
+            starts.append((info["segment"], info["task_id"]))
+    assert all(task == seg % 3 for seg, task in starts)
+    assert [seg for seg, _ in starts] == sorted(seg for seg, _ in starts) and starts[-1][0] == 5
+    assert len({seg for seg, _ in starts}) >= 4   # random play ends episodes in most blocks
+    assert "segment" not in MultiTaskMiniGrid("MT3").reset(seed=0)[1]   # the balanced mix has none
+
+
+def test_a_real_env_runner_reports_the_segment_into_the_metrics_row():
+    """TaskEpisodeMetrics on an RLlib EnvRunner -> `task_segment` (the latest block of the episodes
+    ended) -> the metrics row's column."""
+    from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
+
+    from moe_rl import MoEPPOConfig
+    from moe_rl.algo.results import task_columns
+    config = (MoEPPOConfig().environment("moe_rl/MiniGrid-MT3-v0",
+                                         env_config={"schedule": "sequential", "steps_per_task": 300, "cycles": 2})
+              .env_runners(num_envs_per_env_runner=1).moe(num_experts=4, top_k=2, d_model=16, d_ff=16))
+    runner = SingleAgentEnvRunner(config=config)
+    try:
+        runner.sample(num_timesteps=1_500, random_actions=True)
+        row = task_columns(runner.get_metrics())
+    finally:
+        runner.stop()
+    assert 1 <= row["task_segment"] <= 5
+    assert sum(k.endswith("/return") for k in row) >= 2   # per-task figures go on beside it
+
+
 def test_rewards_are_minigrids_own_and_success_is_reported():
     env = MultiTaskMiniGrid(["MultiRoom-N2-S4", "LavaGapS7"])
     seen = {}

@@ -235,6 +235,33 @@ def test_anomaly_checker_fires_on_a_planted_spike_and_drop_once_the_next_iterati
         (41, "vf_loss", "spike"), (51, "episode_return_mean_100", "drop")]
 
 
+def test_a_planned_task_change_restarts_the_watched_series_and_a_later_drop_still_alerts():
+    """A sequential task schedule's next block: the return falls because the task changed. After
+    restart_series that fall is a new series' start (no alert); a drop inside the block still is."""
+    rows = list(clean_rows(80))
+    for row in rows[40:]:
+        row["episode_return_mean_100"] -= 150          # the next task: the return starts again, lower
+    for row in rows[65:]:
+        row["episode_return_mean_100"] = -200.0        # a fault inside the block
+    def drops(restart_at):
+        d, out = detector(), []
+        for row in rows:
+            if row["iteration"] == restart_at:
+                d.restart_series()
+            out += [a["iteration"] for a in d.observe(dict(row)) if a["metric"] == "episode_return_mean_100"]
+        return out
+    assert drops(restart_at=None) == [42, 67]          # without the schedule's figure: two drops
+    assert drops(restart_at=41) == [67]                # with it: only the fault
+
+
+def test_the_latest_segment_only_moves_on():
+    from moe_rl.algo.monitoring import latest_segment
+    assert latest_segment(-math.inf, 3.0) == 3.0       # the first figure: where the run starts
+    assert latest_segment(3.0, 2.0) == 3.0             # an env copy lagging behind: no change
+    assert latest_segment(3.0, 4.0) == 4.0
+    assert latest_segment(3.0, None) == 3.0 and latest_segment(3.0, math.nan) == 3.0
+
+
 def test_small_relative_moves_on_a_smooth_history_are_not_spikes():
     """A healthy quickstart's aux_loss went 2.004 -> 2.054 (z = 6.4 on its smooth history)."""
     d = detector()

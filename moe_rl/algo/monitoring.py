@@ -39,6 +39,7 @@ class MoEMonitoring(RLlibCallback):
         self.alerts_total = 0
         self._ledger_seen = 0
         self._returns: List[Dict[str, Any]] = []   # (episodes, mean return) per iteration: the rolling mean
+        self._segment = -math.inf   # the task schedule's latest block (moe_rl.rllib.task_metrics)
 
     @property
     def run(self) -> str:
@@ -63,6 +64,12 @@ class MoEMonitoring(RLlibCallback):
         result["moe_rl_drift"] = rows[self._ledger_seen:]
         self._ledger_seen = len(rows)
         row = metrics_row(result)
+        segment = latest_segment(self._segment, row.get("task_segment"))
+        if self._segment > -math.inf and segment > self._segment:   # a new task block: the new task's return
+            self._returns.clear()
+            if self.anomaly is not None:
+                self.anomaly.restart_series()
+        self._segment = segment
         self._returns.append({k: row[k] for k in ("episodes", "episode_return_mean")})
         del self._returns[:-ROLLING_EPISODES]   # an iteration ends at least one episode when it counts
         rolling = rolling_return_mean(self._returns, ROLLING_EPISODES)
@@ -88,3 +95,13 @@ class MoEMonitoring(RLlibCallback):
 
 
 ROLLING_EPISODES = 100   # episode_return_mean_100: the mean over the last 100 or more episodes
+
+
+def latest_segment(seen: float, segment: Any) -> float:
+    """The latest task block after this iteration's figure (`task_segment`): blocks only move on
+    (an env copy that lags behind still reports the older one), and a run's first figure is where
+    it starts (-inf: none seen yet; a resumed run starts from its checkpoint's block)."""
+    if not isinstance(segment, (int, float)) or not math.isfinite(segment):
+        return seen
+    return float(segment) if seen == -math.inf else max(seen, float(segment))
+

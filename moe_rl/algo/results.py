@@ -25,6 +25,7 @@ prefixed `moe_rl_`, Prometheus names):
     faults/<counter>, checkpoint/verified, checkpoint/verify_max_abs_diff
     task/<name>/return, .../success, .../length, task/<name>/experts/layer{i}/e{j} (share)
     task_return_mean, task_return_min      multi-task envs (moe_rl.rllib.task_metrics)
+    task_segment                           a task schedule's block (the sequential schedule)
 """
 from __future__ import annotations
 
@@ -138,6 +139,8 @@ def task_columns(runners: Dict[str, Any]) -> Dict[str, Any]:
     count = _float(runners.get("task_count"))
     if returns and len(returns) == count and not any(math.isnan(v) for v in returns):
         row["task_return_mean"], row["task_return_min"] = sum(returns) / len(returns), min(returns)
+    if "task_segment" in runners:
+        row["task_segment"] = _float(runners["task_segment"])
     return row
 
 

@@ -93,6 +93,15 @@ class AnomalyDetector:
         self._last_skipped = 0.0
         self._seen = 0
 
+    def restart_series(self) -> None:
+        """A task schedule changed the task on purpose (continual multi-task): the return falls and
+        the losses move because the task did, which is the experiment, not a fault. Each watched
+        series starts again and is judged after anomaly_min_history changes; the breach checks
+        (health, entropy, gradients, skipped steps, memory) go on."""
+        self._last.clear()
+        self._jumps.clear()
+        self._changes.clear()
+
     def observe(self, row: Dict[str, Any]) -> List[Dict[str, Any]]:
         """Feed one iteration's metrics row; returns the new alerts (dicts with iteration, metric,
         kind, value, message)."""

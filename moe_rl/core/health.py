@@ -10,8 +10,9 @@ harm instead, judged over consecutive updates (one update is one `learner_group.
 training iteration):
 
   dead      an expert that no state selected (the router's own top-k, over every minibatch of the
-            update) in DEAD_UPDATES updates in a row. It gets no gradient and cannot come back on
-            its own.
+            update) in DEAD_UPDATES updates in a row. It gets no gradient through its output; only
+            the balancing can bring it back (under APPO's small updates with a weak balance loss
+            such experts do return, iterations later: docs/stability.md, "Why this rule").
   collapse  the routing concentrates on a few experts *and* the router is sure of it:
             marginal entropy (of the update's selection shares, / ln N) below COLLAPSE_MARGINAL and
             per-state entropy (mean over states of the router's softmax entropy, / ln N) below

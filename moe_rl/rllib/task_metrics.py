@@ -9,6 +9,9 @@ moe_rl/MultiTask-v0 do) gets, under RLlib's `env_runners` results:
     task/<name>/success                       the same, of info["success"] where the env reports it
     task_count                                info["num_tasks"] (the metrics row averages over tasks
                                               only when every one of them has a figure)
+    task_segment                              info["segment"]: the block of a task schedule that
+                                              changes tasks on purpose (the sequential one), the
+                                              latest of the episodes ended this iteration
     task/<name>/experts/layer{i}/e{j}         tokens the rollout routed to expert j of MoE layer i in
                                               that task's episodes ended this iteration (a sum; the
                                               metrics row turns it into each task's share;
@@ -54,6 +57,8 @@ class TaskEpisodeMetrics(RLlibCallback):
             metrics_logger.log_value(f"{key}/success", float(info["success"]), window=window)
         if "num_tasks" in info:
             metrics_logger.log_value("task_count", int(info["num_tasks"]), reduce="max")
+        if "segment" in info:
+            metrics_logger.log_value("task_segment", int(info["segment"]), reduce="max")
         num_experts = _num_experts(rl_module)
         if num_experts is None or num_experts > PER_EXPERT_MAX or MOE_TOPK not in episode.extra_model_outputs:
             return
