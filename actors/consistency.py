@@ -79,9 +79,6 @@ class ConsistencyActor:
         self.sync_id = 0
 
     # --- probe set --------------------------------------------------------------------------------
-    def has_probe(self) -> bool:
-        return self.probe_obs is not None
-
     def set_probe(self, obs: Dict[str, Any], view: Dict[str, Dict[str, np.ndarray]]) -> None:
         self.probe_obs, self.probe_view = obs, view
 

@@ -195,6 +195,18 @@ def test_digests_are_exact_in_the_rollout_dtype():
     assert differing(state_digests({"a": w}), state_digests({"a": w, "c": w})) == ["c"]
 
 
+
+@pytest.mark.pure
+def test_a_large_state_is_digested_on_threads_to_the_same_digests(monkeypatch):
+    from moe_rl.core import digests
+    state = {f"w{i}": torch.randn(256, 64) for i in range(6)}
+    state["bf"] = state["w0"].to(torch.bfloat16)
+    one_thread = digests.state_digests(state, {"w1": "torch.bfloat16"})
+    monkeypatch.setattr(digests, "PARALLEL_MIN_NUMEL", 0)     # every state counts as large
+    monkeypatch.setattr(digests, "DIGEST_THREADS", 2)
+    assert digests.state_digests(state, {"w1": "torch.bfloat16"}) == one_thread
+    assert digests._pool is not None
+
 # --- the fault matrix on real Ray ------------------------------------------------------------------
 
 def config(learners=0, policy="warn", **consistency):

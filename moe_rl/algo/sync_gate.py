@@ -115,6 +115,7 @@ class SyncGate:
         if self.checks or self.transport is not None:   # what the digests and the wire cast to
             self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
         self.actor = None
+        self._probe: Optional[Dict[str, Any]] = None   # the actor's probe set, kept here: no round trip per check
         self._overlap = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-gate")
         self._copies: Optional[Future] = None
         if self.checks:
@@ -231,10 +232,13 @@ class SyncGate:
     def before_update(self, episodes, iteration: int) -> None:
         self._keep_synced_state()
         data = rollout_sample(episodes, self.s["sample_size"], seed=iteration, modules=self.moe_modules)
-        if not ray.get(self.actor.has_probe.remote()) and data:
+        if self._probe is None:   # once per run (a restored run's probe comes with its checkpoint)
+            self._probe = ray.get(self.actor.get_probe.remote())
+        if self._probe is None and data:
             probe = {mid: tree.map_structure(lambda x: x[: self.s["probe_size"]], d["obs"]) for mid, d in data.items()}
             ray.get(self.actor.set_probe.remote(probe, self.group.trainer_view(
                 {mid: {"obs": o} for mid, o in probe.items()}, replay=False)))
+            self._probe = probe
         # The rollout copies' digests are taken while the trainer's view and the update run: the
         # rollout actors are idle then (PPO) or sampling (APPO), and a copy that differs is repaired
         # before the next sync (or the hold that keeps the rollouts on the synced weights).
@@ -316,7 +320,7 @@ class SyncGate:
         corrupt = self._check_copies(iteration, self._copies.result())
         replicas = self._check_replicas(iteration)
         stats = self.group.weight_stats(self.reference_refs())
-        probe = ray.get(self.actor.get_probe.remote())
+        probe = self._probe
         candidate = (self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}, replay=False)
                      if probe else {})
         # The learners agree on skipped steps (a collective decision): the first one's figures.
@@ -378,6 +382,7 @@ class SyncGate:
         if self.checks:
             ray.get(self.actor.set_state.remote(state.get("actor", {})))
             self.repairs = int(state.get("repairs", 0))
+            self._probe = None   # the restored actor's: fetched at the next check
 
     def close(self) -> None:
         self._overlap.shutdown(wait=True)
