@@ -104,4 +104,3 @@ def latest_segment(seen: float, segment: Any) -> float:
     if not isinstance(segment, (int, float)) or not math.isfinite(segment):
         return seen
     return float(segment) if seen == -math.inf else max(seen, float(segment))
-
