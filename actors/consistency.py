@@ -77,6 +77,7 @@ class ConsistencyActor:
         self.probe_obs: Optional[Dict[str, Any]] = None
         self.probe_view: Optional[Dict[str, Dict[str, np.ndarray]]] = None   # of the last good weights
         self.sync_id = 0
+        self._observed: Optional[Dict[str, Any]] = None   # observe()'s half of the check in progress
 
     # --- probe set --------------------------------------------------------------------------------
     def set_probe(self, obs: Dict[str, Any], view: Dict[str, Dict[str, np.ndarray]]) -> None:
@@ -101,38 +102,54 @@ class ConsistencyActor:
                                key=lambda kv: kv[1])
             row["k3_expert_max"], row["k3_expert_max_at"] = worst, where
 
-    def check(self, *, iteration: int, version: int, lag: int, rollout: Dict[str, Dict[str, Any]],
-              trainer: Dict[str, Dict[str, Any]], stats: Dict[str, Any], candidate_view: Dict[str, Dict[str, Any]],
-              corrupt: List[str], replicas: List[str], repairs: int = 0,
-              skipped: Optional[Dict[str, Dict[str, int]]] = None,
-              policy_lag: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
-        """lag: updates the learners were ahead of the rollouts *before* this update (0: same
-        weights); the candidate is one update further, lag + 1 past the last good weights.
-        rollout / trainer: per module, the rollout's recorded steps and the learners' view of
-        them (same weights when lag == 0; else the lagged learners'). policy_lag: per module, each
-        sampled step's lag in synced versions and, when lag == 0, the rollout's and the trainer's
-        log-probs of the steps taken at older weights (the divergence across the lag). stats: the learners'
-        weight_stats against the last synced weights. corrupt / replicas: breach lines found by
-        digest comparisons (rollout copies vs synced weights; learners holding the same tensor).
-        skipped: per module, the update's steps and the steps skipped because the rollout
-        correction kept nothing (the learners' SkippedSteps.last)."""
-        candidate_lag = lag + 1   # the update-sized signals are judged, and kept, per update
+    def observe(self, *, iteration: int, version: int, lag: int, rollout: Dict[str, Dict[str, Any]],
+                trainer: Dict[str, Dict[str, Any]], policy_lag: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
+        """The check's first half, sent before the update and computed while it runs: per module,
+        mismatch (lag == 0) or the lagged learners' K3 (lag > 0), and the policy-lag figures.
+        lag: updates the learners were ahead of the rollouts *before* this update (0: same
+        weights). rollout / trainer: the rollout's recorded steps and the learners' view of them.
+        policy_lag: each sampled step's lag in synced versions and, when lag == 0, the rollout's
+        and the trainer's log-probs of the steps taken at older weights (the divergence across
+        the lag)."""
         t0 = time.perf_counter()
         rows: Dict[str, Dict[str, Any]] = {}
-        mismatch, signals, held, all_rejected = [], {}, {}, []
-        for mid in sorted(set(trainer) | set(candidate_view) | set(stats["terms"])):
+        mismatch = []
+        for mid in sorted(set(trainer) | set(policy_lag or {})):
             row = rows[mid] = {"iteration": iteration, "module_id": mid, "sync_id": self.sync_id,
                                "weights_version": version, "lag_versions": lag}
             if mid in trainer and mid in rollout and len(rollout[mid]["logp"]):
                 if lag == 0:     # same weights: training-inference mismatch
                     self._drift(mid, rollout[mid], trainer[mid], row)
-                    if not corrupt:  # a corrupt copy sampled this batch: its drift is that cause's
-                        mismatch += [(f"{mid}/{k}" if len(trainer) > 1 else k, v, thr)
-                                     for k, v, thr in breaches(row, self.limits)]
+                    mismatch += [(f"{mid}/{k}" if len(trainer) > 1 else k, v, thr)
+                                 for k, v, thr in breaches(row, self.limits)]
                 else:            # the learners are ahead: policy lag, never mismatch
                     row["lag_k3"] = drift_metrics(torch.as_tensor(trainer[mid]["logp"]),
                                                   torch.as_tensor(rollout[mid]["logp"]))["k3"]
             row.update(policy_lag_figures((policy_lag or {}).get(mid)))
+        self._observed = {"iteration": iteration, "version": version, "lag": lag, "rows": rows,
+                          "mismatch": mismatch, "seconds": time.perf_counter() - t0}
+
+    def check(self, *, stats: Dict[str, Any], candidate_view: Dict[str, Dict[str, Any]],
+              corrupt: List[str], replicas: List[str], repairs: int = 0,
+              skipped: Optional[Dict[str, Dict[str, int]]] = None) -> Dict[str, Any]:
+        """The check's second half, after the update, on what `observe` saw before it: the
+        candidate's update size and finiteness (stats: the learners' weight_stats against the
+        last synced weights) and its view of the probe set, then the decision. corrupt /
+        replicas: breach lines found by digest comparisons (rollout copies vs synced weights;
+        learners holding the same tensor). skipped: per module, the update's steps and the steps
+        skipped because the rollout correction kept nothing (the learners' SkippedSteps.last)."""
+        seen, self._observed = self._observed, None
+        if seen is None:
+            raise RuntimeError("ConsistencyActor.check: no observe() before this update")
+        lag, rows = seen["lag"], seen["rows"]
+        candidate_lag = lag + 1   # the update-sized signals are judged, and kept, per update
+        t0 = time.perf_counter()
+        # A corrupt copy sampled this batch: its drift is that cause's, not mismatch.
+        mismatch = [] if corrupt else seen["mismatch"]
+        signals, held, all_rejected = {}, {}, []
+        for mid in sorted(set(rows) | set(candidate_view) | set(stats["terms"])):
+            row = rows.setdefault(mid, {"iteration": seen["iteration"], "module_id": mid, "sync_id": self.sync_id,
+                                        "weights_version": seen["version"], "lag_versions": lag})
             for group, (sq_diff, sq_ref) in sorted(stats["terms"].get(mid, {}).items()):
                 row[f"update_size/{group}"] = math.sqrt(sq_diff) / max(math.sqrt(sq_ref), 1e-12)
             old = (self.probe_view or {}).get(mid)
@@ -162,9 +179,9 @@ class ConsistencyActor:
             self.state.accept(signals, candidate_lag, {k for k, _, _ in found})
             self.probe_view = candidate_view
             self.sync_id += 1
-        elapsed = time.perf_counter() - t0
+        elapsed = seen["seconds"] + time.perf_counter() - t0
         out_rows = []
-        for mid, row in rows.items():
+        for mid, row in sorted(rows.items()):
             row.update({"decision": verdict.decision, "cause": ";".join(verdict.causes),
                         "action": ";".join(verdict.actions), "reason": verdict.reason,
                         "param_breach_lines": "\n".join(corrupt + replicas),

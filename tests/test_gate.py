@@ -174,14 +174,14 @@ def test_the_kept_state_restores_weights_and_moments_exactly_and_reuses_its_buff
 @pytest.mark.pure
 def test_the_finiteness_check_sees_every_nan_and_inf():
     from moe_rl.rllib.weight_publishing import all_finite
-    assert all_finite(torch.randn(1000)) and all_finite(torch.empty(0))
+    assert all_finite([torch.randn(1000)]) and all_finite([torch.empty(0)]) and all_finite([])
     for n in (1, 17, 4097):
         for pos in {0, n // 2, n - 1}:
             for v in (float("nan"), float("inf"), -float("inf")):
                 for dtype in (torch.float32, torch.bfloat16):
                     x = torch.randn(n).to(dtype)
                     x[pos] = v
-                    assert not all_finite(x), (n, pos, v, dtype)
+                    assert not all_finite([x]) and not all_finite([torch.ones(3), x]), (n, pos, v, dtype)
 
 
 @pytest.mark.pure
@@ -416,8 +416,8 @@ def _actor(**kw):
 
 def _check(actor, lag, size, skipped=None):
     """One check of module p's candidate: only its update size (sq_diff / sq_ref = size^2)."""
-    return actor.check(iteration=1, version=0, lag=lag, rollout={}, trainer={},
-                       stats={"finite": True, "terms": {"p": {"experts": [size ** 2, 1.0]}}}, candidate_view={},
+    actor.observe(iteration=1, version=0, lag=lag, rollout={}, trainer={})
+    return actor.check(stats={"finite": True, "terms": {"p": {"experts": [size ** 2, 1.0]}}}, candidate_view={},
                        corrupt=[], replicas=[], **({"skipped": skipped} if skipped else {}))["verdict"]
 
 

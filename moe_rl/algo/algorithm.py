@@ -36,6 +36,8 @@ class MoEPPO(MoEAlgorithm, PPO):
     """PPO whose policy is an MoE (moe_rl.algo.moe_algorithm: one iteration), sampled
     synchronously: every rollout actor runs the synced weights."""
 
+    rollouts_wait = True
+
     @classmethod
     def get_default_config(cls) -> MoEPPOConfig:
         return MoEPPOConfig()

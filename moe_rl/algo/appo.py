@@ -69,11 +69,12 @@ class MoEAPPO(MoEAlgorithm, APPO):
     def get_default_config(cls) -> MoEAPPOConfig:
         return MoEAPPOConfig()
 
-    def check_due(self, every: int) -> bool:
+    def check_due(self, every: int, ahead: int = 0) -> bool:
         """An APPO iteration is RLlib's (min_time_s_per_iteration: many updates and syncs): the
-        check runs before every K-th update."""
-        self._updates_seen += 1
-        return self._updates_seen % every == 0
+        check runs before every K-th update (ahead=1: before the next one)."""
+        if not ahead:
+            self._updates_seen += 1
+        return (self._updates_seen + ahead) % every == 0
 
     @property
     def update_epochs(self) -> int:

@@ -49,7 +49,7 @@ class MoEAlgorithm:
         self._pending_faults: list = []   # test hooks (moe_rl.algo.faults.inject)
         self.gate = SyncGate(self.env_runner_group, lambda: self.learner_group, self.config.num_learners,
                              validate_consistency(self.config.consistency_settings),
-                             validate_weight_sync(self.config.weight_sync_settings))
+                             validate_weight_sync(self.config.weight_sync_settings), self.rollouts_wait)
         self._sync_rollout_weights()
         self._faults = {"env_runner_failures": 0, "lost_env_steps": 0, "env_runners_restored": 0,
                         "nonfinite_episodes_dropped": 0, "nonfinite_env_steps_dropped": 0}
@@ -100,7 +100,7 @@ class MoEAlgorithm:
                 if verdict["decision"] in ("hold", "rollback"):   # rollouts stay on the last good weights
                     return
             with self._timed("sync_s", seconds):
-                self._sync_rollout_weights()
+                self._sync_rollout_weights(prepare_check=gate.checks and self.check_due(gate.s["every"], ahead=1))
         finally:
             seconds["env_steps_per_s"] = steps / max(sum(seconds.values()), 1e-9)
             for k, v in seconds.items():
@@ -139,8 +139,8 @@ class MoEAlgorithm:
         """fn(runner, **kwargs) on the rollout actors that sample -> (runner ids, results)."""
         return self.gate.runner_call(fn, runner_ids, **kwargs)
 
-    def _sync_rollout_weights(self) -> None:
-        self.gate.sync()
+    def _sync_rollout_weights(self, prepare_check: bool = False) -> None:
+        self.gate.sync(prepare_check)
         if self.gate.transport is not None:
             self.metrics.log_value(("moe_rl", "sync/collective_fallbacks"), self.gate.transport.fallbacks, window=1)
 
@@ -173,17 +173,29 @@ class MoEAlgorithm:
         return state
 
     def set_state(self, state) -> None:
+        self._settle_gate()
         super().set_state(state)
         if self.sync_gate is not None and GATE_STATE in state:
             self.sync_gate.set_state(state[GATE_STATE])
 
+    def _settle_gate(self) -> None:
+        """Nothing is kept in the background while the learners change."""
+        if getattr(self, "gate", None) is not None:
+            self.gate.settle()
+
     def restore_from_path(self, path, *args, **kwargs):
+        self._settle_gate()
         super().restore_from_path(path, *args, **kwargs)
         self._sync_rollout_weights()   # the restored weights are a new version for the rollouts
 
-    def check_due(self, every: int) -> bool:
-        """consistency.every: a check before every K-th sync; one iteration, one sync here."""
-        return self.iteration % every == 0
+    # Whether the rollout actors sample only after the sync (synchronous sampling, as MoEPPO's):
+    # then the gate may send them the candidate while it is judged.
+    rollouts_wait = False
+
+    def check_due(self, every: int, ahead: int = 0) -> bool:
+        """consistency.every: a check before every K-th sync; one iteration, one sync here.
+        ahead=1: whether the next iteration's is."""
+        return (self.iteration + ahead) % every == 0
 
     def sample_episodes(self) -> list:
         """This iteration's training batch, as the algorithm samples it (PPO: synchronously; APPO:

@@ -10,11 +10,17 @@ and, with consistency checks on, the consistency actor and its probe set. The al
     gate.after_update(i)             replicas (digests; resync), update size + finiteness (computed
                                      on the learners), the candidate's view of the probe set ->
                                      sync | warn | hold | rollback | stop (GateStop)
-    gate.sync()                      the learners' parts to the rollout actors (version v + 1), then
-                                     the new last good state (exact: weights and optimizer moments)
+    gate.sync(prepare_check)         the learners' parts to the rollout actors (version v + 1)
 
 and reads nothing of the algorithm: it is given the env-runner group and how to reach the current
 learner group. The decisions are the consistency actor's (actors/consistency.py, moe_rl.core.gate).
+
+A check runs beside the work it guards, where no bad candidate can get through that way: the
+rollout copies' digests (a thread) and the actor's mismatch and lag figures while the learners
+update; the synced version's digests and last good state while the next batch samples
+(`prepare_check`); where the rollouts wait for the sync (`rollouts_wait`: PPO, not APPO), the
+candidate travels to them while it is judged and is withdrawn (the synced version sent back,
+with its number) unless the verdict syncs.
 """
 from __future__ import annotations
 
@@ -25,16 +31,13 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import ray
 import tree
-from ray.rllib.core import DEFAULT_MODULE_ID
-from ray.rllib.core.columns import Columns
-from ray.rllib.env.multi_agent_episode import MultiAgentEpisode
-from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from moe_rl.actors.consistency import ConsistencyActor
 from moe_rl.algo.weight_sync import CollectiveWeightSync
 from moe_rl.core.digests import Sample, differing, max_abs_diff, sample_of
 from moe_rl.core.drift import format_breach
-from moe_rl.rllib.rl_module import MOE_TOPK, MoEPolicyModule
+from moe_rl.rllib.rl_module import MoEPolicyModule
+from moe_rl.rllib.rollout_sample import rollout_sample
 from moe_rl.rllib.runner import load_shards_into_runner, runner_digests, runner_dtypes, runner_modules, runner_tensor
 
 logger = logging.getLogger("moe_rl")
@@ -43,44 +46,6 @@ logger = logging.getLogger("moe_rl")
 class GateStop(RuntimeError):
     """The gate stopped the run; str() is one line: the cause, the metric, its value and threshold,
     and how to resume."""
-
-
-def _single_agent_episodes(episodes, default_module: str):
-    """(module id, single-agent episode) of every agent in a batch of (multi-agent) episodes."""
-    for ep in episodes:
-        if isinstance(ep, MultiAgentEpisode):
-            for sa in ep.agent_episodes.values():
-                yield sa.module_id, sa
-        else:
-            yield default_module, ep
-
-
-def rollout_sample(episodes, size: int, seed: int, modules=None,
-                   default_module: str = DEFAULT_MODULE_ID) -> Dict[str, Dict[str, Any]]:
-    """Up to `size` recorded steps per MoE module (uniformly over its steps): obs, actions, the
-    rollout's log-probs and top-k, the weights version of each step, and the position for
-    token-sequence observations. `modules`: the MoE module ids (None: every module)."""
-    parts: Dict[str, list] = {}
-    for mid, ep in _single_agent_episodes(episodes, default_module):
-        n = len(ep)
-        if n and (modules is None or mid in modules):
-            parts.setdefault(mid, []).append({
-                "obs": ep.get_observations(slice(0, n)), "actions": np.asarray(ep.get_actions(slice(0, n))),
-                "logp": ep.get_extra_model_outputs(Columns.ACTION_LOGP, slice(0, n)),
-                "topk": ep.get_extra_model_outputs(MOE_TOPK, slice(0, n)),
-                "seq": ep.get_extra_model_outputs(WEIGHTS_SEQ_NO, slice(0, n))})
-    out = {}
-    for i, (mid, ps) in enumerate(sorted(parts.items())):
-        data = tree.map_structure(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *ps)
-        total = len(data["actions"])
-        pick = np.sort(np.random.default_rng(seed + 7919 * i).choice(total, size=min(size, total), replace=False))
-        data = tree.map_structure(lambda x: x[pick], data)
-        data["logp"] = data["logp"].astype(np.float64)
-        obs = data["obs"]
-        data["positions"] = (np.asarray(obs["position"]).reshape(-1) if isinstance(obs, dict) and "position" in obs
-                             else None)
-        out[mid] = data
-    return out
 
 
 def _skipped_steps(learner) -> Dict[str, Dict[str, int]]:
@@ -97,8 +62,9 @@ def _merge(parts: List[Dict[str, Dict]]) -> Dict[str, Dict]:
 
 class SyncGate:
     def __init__(self, env_runner_group, learners: Callable[[], Any], num_learners: int,
-                 consistency: Dict[str, Any], weight_sync: Dict[str, Any]):
-        """learners(): the current learner group (a rebuilt one after a learner failure)."""
+                 consistency: Dict[str, Any], weight_sync: Dict[str, Any], rollouts_wait: bool = False):
+        """learners(): the current learner group (a rebuilt one after a learner failure).
+        rollouts_wait: the rollout actors sample only after the sync (synchronous sampling)."""
         self.env_runner_group, self._learners, self.s = env_runner_group, learners, consistency
         self.num_learners = num_learners
         self.checks = bool(consistency["enabled"])
@@ -110,7 +76,8 @@ class SyncGate:
         self.repairs = 0
         self._snapshot = None
         self._kept_version = -1           # the version whose digests and state were last kept
-        self._pre: Optional[Dict[str, Any]] = None
+        self._lag_before: Optional[int] = None   # set by before_update: a check is in progress
+        self._observed: Optional[ray.ObjectRef] = None   # the actor's first half of the check
         self.transport = CollectiveWeightSync(self, weight_sync) if weight_sync["transport"] == "collective" else None
         if self.checks or self.transport is not None:   # what the digests and the wire cast to
             self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
@@ -118,6 +85,9 @@ class SyncGate:
         self._probe: Optional[Dict[str, Any]] = None   # the actor's probe set, kept here: no round trip per check
         self._overlap = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rl-gate")
         self._copies: Optional[Future] = None
+        self._prepared: Optional[Future] = None   # the synced state, kept while the next batch samples
+        self._candidate = None   # (its parts, their push to the rollout actors) before the verdict
+        self.speculative = rollouts_wait and self.transport is None
         if self.checks:
             discrete = {mid: hasattr(sp, "n") for mid, sp in self.runner_call(
                 lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()
@@ -172,17 +142,23 @@ class SyncGate:
                                  else self.group.publish_weights(inference_only=True))
         return self._synced_refs
 
-    def sync(self) -> None:
+    def sync(self, prepare_check: bool = False) -> None:
         """Version v + 1 to the rollout actors. object_store: every learner publishes its own part
         once (in its node's object store) and each rollout actor pulls and assembles them strictly.
         collective: every learner broadcasts its part to the rollout actors (the object store
         serves when that fails) and, for the gate, keeps it. The synced version stays at hand
         (repairs, restarted actors and the update-size check use it); its digests and the last
         good state are taken by the next check (`_keep_synced_state`), so syncs that no check
-        follows (consistency.every > 1) cost no more than without checks."""
+        follows (consistency.every > 1) cost no more than without checks. prepare_check: a check
+        follows; take them now, in the background, while the next batch samples."""
+        self.settle()
         self.version += 1
         self.updates_since_sync = 0
-        if self.transport is None:
+        if self._candidate is not None:   # sent during the check, which passed
+            self._synced_refs, push = self._candidate
+            self._candidate = None
+            push.result()
+        elif self.transport is None:
             self._synced_refs = self.group.publish_weights(inference_only=True)
             self.push_synced_weights()
         else:
@@ -191,6 +167,14 @@ class SyncGate:
             self._synced_refs = None
             if not self.transport.sync(self.version):
                 self.push_synced_weights()
+        if prepare_check and self.checks:
+            self._prepared = self._overlap.submit(self._keep_synced_state)
+
+    def settle(self) -> None:
+        """Waits for the synced state being kept in the background (its error is raised here)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            prepared.result()
 
     def _keep_synced_state(self) -> None:
         """The synced version's digests (in the rollout copies' dtypes, taken where the parts live)
@@ -224,12 +208,14 @@ class SyncGate:
 
     def restore_last_good(self) -> None:
         """The learners back to the state of the synced version (weights and optimizer moments)."""
+        self.settle()
         if self._snapshot is not None:
             self.group.restore(self._snapshot)
         self.updates_since_sync = 0
 
     # --- before the update ------------------------------------------------------------------------
     def before_update(self, episodes, iteration: int) -> None:
+        self.settle()
         self._keep_synced_state()
         data = rollout_sample(episodes, self.s["sample_size"], seed=iteration, modules=self.moe_modules)
         if self._probe is None:   # once per run (a restored run's probe comes with its checkpoint)
@@ -239,10 +225,6 @@ class SyncGate:
             ray.get(self.actor.set_probe.remote(probe, self.group.trainer_view(
                 {mid: {"obs": o} for mid, o in probe.items()}, replay=False)))
             self._probe = probe
-        # The rollout copies' digests are taken while the trainer's view and the update run: the
-        # rollout actors are idle then (PPO) or sampling (APPO), and a copy that differs is repaired
-        # before the next sync (or the hold that keeps the rollouts on the synced weights).
-        self._copies = self._overlap.submit(self._corrupt_copies)
         lag = self.updates_since_sync
         asked = {mid: {"obs": d["obs"], "actions": d["actions"], "topk": d["topk"]} for mid, d in data.items()}
         view = self.group.trainer_view(asked) if asked else {}   # each module replays as it trains
@@ -260,8 +242,14 @@ class SyncGate:
             policy_lag[mid] = {"versions": versions}
             if lag == 0 and (~same).any():   # the trainer's view at v of steps taken at older weights
                 policy_lag[mid].update(rollout_logp=d["logp"][~same], trainer_logp=view[mid]["logp"][~same])
-        self._pre = {"rollout": rollout, "trainer": trainer, "lag": lag,
-                     "policy_lag": policy_lag}
+        # The rollout copies' digests are taken while the learners update (after the trainer's
+        # view: beside it, on two cores, both ran slower): the rollout actors are idle then (PPO)
+        # or sampling (APPO), and a copy that differs is repaired before the next sync (or the
+        # hold that keeps the rollouts on the synced weights). The actor computes its figures then too.
+        self._copies = self._overlap.submit(self._corrupt_copies)
+        self._observed = self.actor.observe.remote(iteration=iteration + 1, version=self.version, lag=lag,
+                                                   rollout=rollout, trainer=trainer, policy_lag=policy_lag)
+        self._lag_before = lag
 
     def _check_copies(self, iteration: int, first: Dict[Any, Dict[str, List[str]]]) -> List[str]:
         """Every rollout actor's copy vs the synced weights, by digest. A copy that differs is
@@ -314,22 +302,31 @@ class SyncGate:
 
     # --- after the update -------------------------------------------------------------------------
     def after_update(self, iteration: int) -> Dict[str, Any]:
-        pre = self._pre
-        self._pre = None
-        lag = pre["lag"] + 1            # the candidate is one more update past the synced weights
+        lag_before, self._lag_before = self._lag_before, None
+        lag = lag_before + 1            # the candidate is one more update past the synced weights
         corrupt = self._check_copies(iteration, self._copies.result())
         replicas = self._check_replicas(iteration)
-        stats = self.group.weight_stats(self.reference_refs())
-        probe = self._probe
-        candidate = (self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}, replay=False)
-                     if probe else {})
-        # The learners agree on skipped steps (a collective decision): the first one's figures.
-        skipped = self.group.publishers(_skipped_steps)[0]
-        result = ray.get(self.actor.check.remote(   # lag: before the update (the actor adds this one)
-            iteration=iteration + 1, version=self.version, lag=pre["lag"], rollout=pre["rollout"],
-            trainer=pre["trainer"], policy_lag=pre["policy_lag"], stats=stats, candidate_view=candidate,
-            corrupt=corrupt,
-            replicas=replicas, repairs=self.repairs, skipped=skipped))
+        if self.speculative:   # the rollouts wait: the candidate travels while it is judged
+            refs = self.group.publish_weights(inference_only=True)
+            version = self.version + 1
+            self._candidate = (refs, self._overlap.submit(
+                self.runner_call, lambda r: load_shards_into_runner(r, refs, version)))
+        try:
+            stats = self.group.weight_stats(self.reference_refs())
+            probe = self._probe
+            candidate = (self.group.trainer_view({mid: {"obs": o} for mid, o in probe.items()}, replay=False)
+                         if probe else {})
+            # The learners agree on skipped steps (a collective decision): the first one's figures.
+            skipped = self.group.publishers(_skipped_steps)[0]
+            _, result = ray.get([self._observed, self.actor.check.remote(
+                stats=stats, candidate_view=candidate, corrupt=corrupt, replicas=replicas, repairs=self.repairs,
+                skipped=skipped)])
+            self._observed = None
+        except BaseException:   # no verdict: nothing unjudged may stay with the rollouts
+            self._withdraw_candidate()
+            raise
+        if result["verdict"]["decision"] not in ("sync", "warn"):
+            self._withdraw_candidate()
         self.rows.extend(result["rows"])
         verdict = result["verdict"]
         causes = [c for c in verdict["causes"] if c != "corrupt_copy"]   # repairs were logged when made
@@ -348,6 +345,13 @@ class SyncGate:
         self.group.set_lr_scale(verdict["lr_scale"])
         verdict["lag"] = lag
         return verdict
+
+    def _withdraw_candidate(self) -> None:
+        """The rollout actors back to the synced version where an unpassed candidate was sent."""
+        if self._candidate is not None:
+            push, self._candidate = self._candidate[1], None
+            push.exception()   # finished, whether or not it reached them all: overwritten now
+            self.push_synced_weights(force=True)
 
     def _check_replicas(self, iteration: int) -> List[str]:
         """Learners that hold the same tensor must hold the same bytes. A divergence is named and

@@ -40,12 +40,17 @@ def load_shards_into_runner(runner, shard_refs: List[ray.ObjectRef], version: in
     """Assemble the learners' published parts per module and load them, strictly (a missing,
     unknown or duplicated tensor is an error, never a silent partial load). The copy takes the
     version number of the sync; `force` reloads the version it already has (a repair: RLlib skips
-    a state whose version is not newer than the runner's)."""
+    a state whose version is not newer than the runner's), and a copy that was sent a withdrawn
+    candidate goes back to the older version's weights and number."""
     modules = runner_modules(runner)
     full = assemble_modules(ray.get(list(shard_refs)), {mid: synced_state(m).keys() for mid, m in modules.items()})
     full = {mid: stack_experts(s, synced_state(modules[mid], canonical=False).keys()) for mid, s in full.items()}
     state = full if isinstance(runner.module, MultiRLModule) else full[DEFAULT_MODULE_ID]
-    runner.set_state({COMPONENT_RL_MODULE: state} if force else {COMPONENT_RL_MODULE: state, WEIGHTS_SEQ_NO: version})
+    if force:   # no version number: RLlib loads it whatever version the copy claims
+        runner.set_state({COMPONENT_RL_MODULE: state})
+    # RLlib loads a numbered state only when it is newer than the copy's, but takes its number
+    # either way: after a forced load this sets the number back where a withdrawn candidate moved it.
+    runner.set_state({COMPONENT_RL_MODULE: state, WEIGHTS_SEQ_NO: version})
 
 
 def runner_digests(runner, sample: Sample = None) -> Dict[str, Dict]:

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 import torch
 from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
+from torch.nn.utils import get_total_norm
 
 from moe_rl.core.digests import Sample, state_digests
 from moe_rl.core.param_groups import param_group
@@ -26,13 +27,12 @@ def copied_tensor(x) -> torch.Tensor:
     return torch.from_numpy(np.array(x))
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN or inf in t: aminmax propagates both, in one pass without a bool copy (10-25x faster
-    than isfinite().all() on an 8.4 M-element tensor)."""
-    if not t.numel():
-        return True
-    lo, hi = torch.aminmax(t.detach())
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+def all_finite(tensors) -> bool:
+    """No NaN or inf in any of `tensors`: aminmax propagates both, in one pass without a bool copy
+    (10-25x faster than isfinite().all() on an 8.4 M-element tensor), and every tensor's ends are
+    judged at once (one host sync, not one per tensor)."""
+    ends = [torch.stack(torch.aminmax(t.detach())) for t in tensors if t.numel()]
+    return not ends or bool(torch.isfinite(torch.stack(ends)).all())
 
 
 class WeightPublisher:
@@ -80,22 +80,24 @@ class WeightPublisher:
         it kept), computed here: per module and parameter group [sum (new - old)^2, sum old^2] for
         the update size, and whether every tensor this learner holds is finite."""
         reference = self._synced_part if reference is None else reference
-        out: Dict[str, Any] = {"finite": True, "terms": {}}
-        for mid in self.module.keys():
-            out["finite"] &= all(all_finite(p) for p in self.plain_module(mid).parameters())
+        out: Dict[str, Any] = {"finite": all_finite(p for mid in self.module.keys()
+                                                    for p in self.plain_module(mid).parameters()), "terms": {}}
         for mid, state in self.published().items():
-            terms = out["terms"].setdefault(mid, {})
+            pairs: Dict[str, tuple] = {}
             for name, new in state.items():
                 old = reference.get(mid, {}).get(name)
                 if old is None or not new.is_floating_point():
                     continue
                 old = old if isinstance(old, torch.Tensor) else copied_tensor(old)
-                # fp32 sums (torch's cascade summation: within 1e-7 of fp64 on an 8.4 M-element
-                # tensor), without fp64 copies of both tensors: 3x faster.
-                a, b = old.to(new.device, torch.float32), new.detach().float()
-                t = terms.setdefault(param_group(name), [0.0, 0.0])
-                t[0] += float((b - a).square().sum())
-                t[1] += float(a.square().sum())
+                olds, news = pairs.setdefault(param_group(name), ([], []))
+                olds.append(old.to(new.device, torch.float32))
+                news.append(new.detach().float())
+            # Per group, the norm of every tensor at once (fp32, torch's foreach kernels, as
+            # clip_grad_norm_ takes it): one host sync per group, not two per tensor.
+            terms = out["terms"].setdefault(mid, {})
+            for group, (olds, news) in pairs.items():
+                diff = get_total_norm([n - o for n, o in zip(news, olds)], foreach=True)
+                terms[group] = [float(diff) ** 2, float(get_total_norm(olds, foreach=True)) ** 2]
         return out
 
     def load_shards(self, shards: List[Mapping[str, Mapping[str, Any]]], inference_only: bool = True) -> None:
