@@ -21,6 +21,7 @@ from moe_rl.core.drift import drift_by_position, drift_metrics, policy_kl, routi
 from moe_rl.core.gate import GateState, breaches, mismatch_limits
 from moe_rl.core.metrics import topk_sets_equal
 from moe_rl.core.routing import decode_top_k
+from moe_rl.core.sections import ConsistencySettings
 
 
 def _layers(topk) -> List[torch.Tensor]:
@@ -69,10 +70,10 @@ def policy_lag_figures(lag: Optional[Dict[str, Any]]) -> Dict[str, float]:
 
 
 class ConsistencyActor:
-    def __init__(self, settings: Dict[str, Any], discrete: Dict[str, bool]):
+    def __init__(self, settings: ConsistencySettings, discrete: Dict[str, bool]):
         self.s = settings
         self.discrete = discrete
-        self.limits = mismatch_limits(settings["thresholds"])
+        self.limits = mismatch_limits(settings.thresholds)
         self.state = GateState(settings)
         self.probe_obs: Optional[Dict[str, Any]] = None
         self.probe_view: Optional[Dict[str, Dict[str, np.ndarray]]] = None   # of the last good weights
@@ -92,7 +93,7 @@ class ConsistencyActor:
         row.update({k: v for k, v in drift_metrics(t, r).items() if k != "n"})
         row["mismatch_steps"] = len(r)   # the steps taken at the synced weights, which mismatch is measured on
         if rollout.get("positions") is not None:
-            by_pos = drift_by_position(t, r, torch.as_tensor(rollout["positions"]), self.s["position_bins"])
+            by_pos = drift_by_position(t, r, torch.as_tensor(rollout["positions"]), self.s.position_bins)
             row["k3_by_position"] = json.dumps({b: m["k3"] for b, m in by_pos.items()})
         row.update(routing_agreement(_layers(trainer["topk"]), _layers(rollout["topk"])))
         by_expert = k3_by_expert(t, r, rollout["topk"])
@@ -157,7 +158,7 @@ class ConsistencyActor:
             if old is not None and new is not None:
                 row["k3_old_new"] = policy_kl(torch.as_tensor(old["logits"]), torch.as_tensor(new["logits"]),
                                               self.discrete.get(mid, True))
-                row["probe_flip_rate"] = probe_flip_rate(old, new, self.s["flip_margin"])
+                row["probe_flip_rate"] = probe_flip_rate(old, new, self.s.flip_margin)
             sk = (skipped or {}).get(mid)
             emptied = bool(sk and sk.get("steps") and sk["skipped"] == sk["steps"])
             if sk and sk.get("steps"):

@@ -16,8 +16,8 @@ from moe_rl.app.cli import main
 from moe_rl.app.run_config import SECTIONS, TOP_LEVEL
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.gate import CONSISTENCY_DEFAULTS
-from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, WEIGHT_SYNC_DEFAULTS
-from moe_rl.core.stability import STABILITY_DEFAULTS
+from moe_rl.core.settings import DEEPSPEED_DEFAULTS, MOE_DEFAULTS, WEIGHT_SYNC_DEFAULTS, validate_moe
+from moe_rl.core.stability import STABILITY_DEFAULTS, validate_stability
 
 pytestmark = pytest.mark.pure
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,3 +137,28 @@ def test_each_default_is_written_once():
     assert not found, "\n".join(found)
 
 
+
+
+def test_validate_checks_each_section_once_and_hands_it_on_typed_and_frozen():
+    """validate() keeps every section checked and typed: the module's model config carries the
+    same object, a validator passes it through unchecked, nobody can change it in place; a builder
+    call after validate() gives a plain mapping again, which the next validate() checks."""
+    config = MoEPPOConfig().environment("CartPole-v1").moe(num_experts=4).stability(grad_clip=1.0)
+    config.validate()
+    for section, cls in SECTION_FIELDS.items():
+        assert type(getattr(config, f"{section}_settings")) is cls, section
+    moe = config.moe_settings
+    assert moe.num_experts == 4 and moe["num_experts"] == 4 and moe == {**MOE_DEFAULTS, "num_experts": 4}
+    assert config.stability_settings.grad_clip == 1.0
+    assert config._model_config_auto_includes["moe"] is moe
+    assert validate_moe(moe) is moe and validate_stability(config.stability_settings) is config.stability_settings
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moe.top_k = 3
+    with pytest.raises(TypeError):
+        moe["top_k"] = 3
+    config.moe(top_k=5)
+    assert type(config.moe_settings) is dict and config.moe_settings["num_experts"] == 4
+    with pytest.raises(ConfigError, match=r"^moe\.top_k: "):
+        config.validate()
+    config.moe(top_k=3).validate()
+    assert config.moe_settings.top_k == 3 and type(config.moe_settings) is SECTION_FIELDS["moe"]

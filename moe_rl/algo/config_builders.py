@@ -151,7 +151,9 @@ class MoESections:
         unknown = sorted(given.pop("unknown"))
         if unknown:
             raise ConfigError(f"{section}.{unknown[0]}: unknown key, allowed: {', '.join(sorted(defaults(fields)))}")
-        target.update({k: v for k, v in given.items() if k != "self" and v is not NotProvided})
+        # A new mapping (the section may be a validated, frozen one): checked again in validate().
+        setattr(self, f"{section}_settings",
+                {**target, **{k: v for k, v in given.items() if k != "self" and v is not NotProvided}})
         return self
 
 

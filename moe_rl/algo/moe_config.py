@@ -63,16 +63,24 @@ class MoEConfig(MoESections):
 
     @property
     def _model_config_auto_includes(self) -> Dict[str, Any]:
-        return super()._model_config_auto_includes | {"moe": dict(self.moe_settings)}
+        return super()._model_config_auto_includes | {"moe": self.moe_settings}
 
     def get_default_rl_module_spec(self) -> RLModuleSpec:
         return RLModuleSpec(module_class=self.module_class)
 
     def validate(self) -> None:
+        """Every section checked once, before any actor starts, and kept typed (frozen): the
+        learners, the module, the gate and the actors get the checked sections with the config
+        and read them as they are (a typed section passes its validator unchecked)."""
         super().validate()
-        validate_moe(self.moe_settings, num_learners=self.num_learners)
-        validate_stability(self.stability_settings)
-        resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
-        validate_consistency(self.consistency_settings)
-        validate_weight_sync(self.weight_sync_settings, uses_deepspeed=self.uses_deepspeed,   # evaluation: own runners
-                             num_env_runners=None if self.in_evaluation else self.num_env_runners)
+        typed = {"moe_settings": validate_moe(self.moe_settings, num_learners=self.num_learners),
+                 "stability_settings": validate_stability(self.stability_settings),
+                 "consistency_settings": validate_consistency(self.consistency_settings)}
+        typed["deepspeed_settings"] = resolve_deepspeed(self.deepspeed_settings, typed["moe_settings"],
+                                                        self.num_learners)
+        typed["weight_sync_settings"] = validate_weight_sync(   # evaluation: its own runners
+            self.weight_sync_settings, uses_deepspeed=bool(typed["deepspeed_settings"].enabled),
+            num_env_runners=None if self.in_evaluation else self.num_env_runners)
+        if not self._is_frozen:   # a frozen config was validated before it froze
+            for name, section in typed.items():
+                setattr(self, name, section)

@@ -36,6 +36,7 @@ from moe_rl.actors.consistency import ConsistencyActor
 from moe_rl.algo.weight_sync import CollectiveWeightSync
 from moe_rl.core.digests import Sample, differing, max_abs_diff, sample_of
 from moe_rl.core.drift import format_breach
+from moe_rl.core.sections import ConsistencySettings, WeightSyncSettings
 from moe_rl.rllib.rl_module import MoEPolicyModule
 from moe_rl.rllib.rollout_sample import rollout_sample
 from moe_rl.rllib.runner import load_shards_into_runner, runner_digests, runner_dtypes, runner_modules, runner_tensor
@@ -62,12 +63,12 @@ def _merge(parts: List[Dict[str, Dict]]) -> Dict[str, Dict]:
 
 class SyncGate:
     def __init__(self, env_runner_group, learners: Callable[[], Any], num_learners: int,
-                 consistency: Dict[str, Any], weight_sync: Dict[str, Any], rollouts_wait: bool = False):
+                 consistency: ConsistencySettings, weight_sync: WeightSyncSettings, rollouts_wait: bool = False):
         """learners(): the current learner group (a rebuilt one after a learner failure).
         rollouts_wait: the rollout actors sample only after the sync (synchronous sampling)."""
         self.env_runner_group, self._learners, self.s = env_runner_group, learners, consistency
         self.num_learners = num_learners
-        self.checks = bool(consistency["enabled"])
+        self.checks = consistency.enabled
         self.version = 0                  # the version the rollout actors run
         self.updates_since_sync = 0       # > 0: the learners are ahead of the rollouts (a hold)
         self._synced_refs: Optional[list] = []   # the learners' published parts of `version`
@@ -78,7 +79,7 @@ class SyncGate:
         self._kept_version = -1           # the version whose digests and state were last kept
         self._lag_before: Optional[int] = None   # set by before_update: a check is in progress
         self._observed: Optional[ray.ObjectRef] = None   # the actor's first half of the check
-        self.transport = CollectiveWeightSync(self, weight_sync) if weight_sync["transport"] == "collective" else None
+        self.transport = CollectiveWeightSync(self, weight_sync) if weight_sync.transport == "collective" else None
         if self.checks or self.transport is not None:   # what the digests and the wire cast to
             self.rollout_dtypes = self.runner_call(runner_dtypes)[1][0]
         self.actor = None
@@ -103,7 +104,7 @@ class SyncGate:
     def digest_sample(self, index: Optional[int] = None) -> Sample:
         """The rotating share of tensors the digests cover (consistency.param_sample): the synced
         version's share by default, so the sync-time digests and the next check's agree."""
-        return sample_of(self.s["param_sample"], self.version if index is None else index)
+        return sample_of(self.s.param_sample, self.version if index is None else index)
 
     @property
     def holding(self) -> bool:
@@ -217,11 +218,11 @@ class SyncGate:
     def before_update(self, episodes, iteration: int) -> None:
         self.settle()
         self._keep_synced_state()
-        data = rollout_sample(episodes, self.s["sample_size"], seed=iteration, modules=self.moe_modules)
+        data = rollout_sample(episodes, self.s.sample_size, seed=iteration, modules=self.moe_modules)
         if self._probe is None:   # once per run (a restored run's probe comes with its checkpoint)
             self._probe = ray.get(self.actor.get_probe.remote())
         if self._probe is None and data:
-            probe = {mid: tree.map_structure(lambda x: x[: self.s["probe_size"]], d["obs"]) for mid, d in data.items()}
+            probe = {mid: tree.map_structure(lambda x: x[: self.s.probe_size], d["obs"]) for mid, d in data.items()}
             ray.get(self.actor.set_probe.remote(probe, self.group.trainer_view(
                 {mid: {"obs": o} for mid, o in probe.items()}, replay=False)))
             self._probe = probe
@@ -338,7 +339,7 @@ class SyncGate:
         if decision in ("rollback", "stop"):
             self.restore_last_good()
         if decision == "stop":
-            raise GateStop(f"bad_update: {verdict['reason']} after {self.s['max_rollbacks']} rollbacks "
+            raise GateStop(f"bad_update: {verdict['reason']} after {self.s.max_rollbacks} rollbacks "
                            f"(one is forgiven only after as many passing checks in a row); "
                            f"the learners hold the last good weights; the run stays resumable: moe-rl train "
                            f"--resume RUN_DIR (consider a lower training.lr)")

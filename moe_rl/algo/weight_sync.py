@@ -17,6 +17,7 @@ import ray
 
 from moe_rl.actors.weight_transport import join, leave, receive, send, source_manifest
 from moe_rl.core.buckets import Entry
+from moe_rl.core.sections import WeightSyncSettings
 
 logger = logging.getLogger("moe_rl")
 
@@ -39,10 +40,10 @@ def _best_effort(fn, *args, **kwargs) -> None:
 
 
 class CollectiveWeightSync:
-    def __init__(self, gate, settings: Dict[str, Any]):
+    def __init__(self, gate, settings: WeightSyncSettings):
         """gate: the SyncGate that owns the synced weights (its env-runner and learner groups)."""
         self.gate, self.s = gate, settings
-        self.bucket_bytes = int(settings["bucket_mb"] * 2**20)
+        self.bucket_bytes = int(settings.bucket_mb * 2**20)
         self.run_id = uuid.uuid4().hex[:8]
         self.generation = 0
         self.runner_ids: List[int] = []
@@ -66,12 +67,12 @@ class CollectiveWeightSync:
         self.runner_ids, self._learners = list(runner_ids), group
         self.sources = {g: manifests[rank] for rank, g in names.items()}
         self.source_rank = {g: rank for rank, g in names.items()}
-        deadline = time.monotonic() + self.s["timeout_s"]
+        deadline = time.monotonic() + self.s.timeout_s
         tag = self._runners_async(_runner_join, runner_ids, ranks={wid: 1 + i for i, wid in enumerate(runner_ids)},
-                                  groups=list(names.values()), world_size=world, backend=self.s["backend"],
-                                  timeout_s=self.s["timeout_s"])
-        refs = [group.foreach_async(join, ranks=[rank], groups={g: 0}, world_size=world, backend=self.s["backend"],
-                                    timeout_s=self.s["timeout_s"])[0] for rank, g in names.items()]
+                                  groups=list(names.values()), world_size=world, backend=self.s.backend,
+                                  timeout_s=self.s.timeout_s)
+        refs = [group.foreach_async(join, ranks=[rank], groups={g: 0}, world_size=world, backend=self.s.backend,
+                                    timeout_s=self.s.timeout_s)[0] for rank, g in names.items()]
         self._wait_learners(refs, deadline)
         failed = [e for e in self._wait_runners(tag, len(runner_ids), deadline).values() if e is not None]
         if failed:
@@ -87,7 +88,7 @@ class CollectiveWeightSync:
         if self._learners is self.gate.group:
             for g, rank in self.source_rank.items():
                 _best_effort(lambda: ray.get(self._learners.foreach_async(leave, ranks=[rank], groups=[g]),
-                                             timeout=self.s["timeout_s"]))
+                                             timeout=self.s.timeout_s))
         self.sources, self.source_rank, self._stale = {}, {}, False
 
     # --- one sync -----------------------------------------------------------------------------------
@@ -100,12 +101,12 @@ class CollectiveWeightSync:
             if self._stale or ids != self.runner_ids or self._learners is not self.gate.group \
                     or not self.sources:
                 self._form(ids)
-            deadline = time.monotonic() + self.s["timeout_s"]
+            deadline = time.monotonic() + self.s.timeout_s
             tag = self._runners_async(receive, ids, sources=self.sources, version=version,
-                                      bucket_bytes=self.bucket_bytes, backend=self.s["backend"])
+                                      bucket_bytes=self.bucket_bytes, backend=self.s.backend)
             refs = [self._learners.foreach_async(send, ranks=[rank], group=g, version=version,
                                                  entries=self.sources[g], bucket_bytes=self.bucket_bytes,
-                                                 backend=self.s["backend"])[0]
+                                                 backend=self.s.backend)[0]
                     for g, rank in self.source_rank.items()]
             self._wait_learners(refs, deadline)
             results = self._wait_runners(tag, len(ids), deadline)
@@ -133,7 +134,7 @@ class CollectiveWeightSync:
         while len(got) < n:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"{n - len(got)} rollout actor(s) did not answer in {self.s['timeout_s']:.0f}s")
+                raise TimeoutError(f"{n - len(got)} rollout actor(s) did not answer in {self.s.timeout_s:.0f}s")
             for wid, result in self.gate.env_runner_group.fetch_ready_async_reqs(tags=tag,
                                                                                  timeout_seconds=min(left, 1.0)):
                 got[wid] = result
@@ -142,7 +143,7 @@ class CollectiveWeightSync:
     def _wait_learners(self, refs, deadline: float) -> None:
         ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(deadline - time.monotonic(), 0.0))
         if pending:
-            raise TimeoutError(f"{len(pending)} learner(s) did not finish in {self.s['timeout_s']:.0f}s")
+            raise TimeoutError(f"{len(pending)} learner(s) did not finish in {self.s.timeout_s:.0f}s")
         ray.get(ready)
 
     def close(self) -> None:

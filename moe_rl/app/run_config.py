@@ -342,10 +342,10 @@ def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     out = {k: cfg[k] for k in TOP_LEVEL if k in cfg}
     out.update({k: cfg.get(k, v) for k, v in RUN_DEFAULTS.items()})
     out["moe"] = dict(config.moe_settings)
-    out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
-    out["stability"] = validate_stability(config.stability_settings)
-    out["consistency"] = validate_consistency(config.consistency_settings)
-    out["weight_sync"] = validate_weight_sync(config.weight_sync_settings)
+    out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners).to_dict()
+    out["stability"] = validate_stability(config.stability_settings).to_dict()
+    out["consistency"] = validate_consistency(config.consistency_settings).to_dict()
+    out["weight_sync"] = validate_weight_sync(config.weight_sync_settings).to_dict()
     for section in BUILDER_SECTIONS:
         out[section] = {}
         for k in sorted(_builder_params(config, section)):

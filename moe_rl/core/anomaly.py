@@ -28,6 +28,8 @@ import statistics
 from collections import deque
 from typing import Any, Deque, Dict, List
 
+from moe_rl.core.sections import StabilitySettings
+
 # metric -> (which direction is an anomaly, smallest change that can be one). The floors keep
 # noise quiet: a K3 or |dlogp| moving by 1e-7 is rounding, whatever its z-score; PPO's clipped
 # surrogate over normalised advantages swings by a few tenths between healthy iterations (the
@@ -81,9 +83,9 @@ def _danger_reason(row: Dict[str, Any]) -> str:
 
 
 class AnomalyDetector:
-    def __init__(self, settings: Dict[str, Any], num_experts: int, top_k: int = 1):
+    def __init__(self, settings: StabilitySettings, num_experts: int, top_k: int = 1):
         self.s, self.num_experts, self.top_k = settings, num_experts, top_k
-        self.window = settings["anomaly_window"]
+        self.window = settings.anomaly_window
         self._last: Dict[str, float] = {}
         self._jumps: Dict[str, tuple] = {}   # key -> (value before the jump, jump value, med, scale, z)
         self._changes: Dict[str, Deque[float]] = {}
@@ -166,7 +168,7 @@ class AnomalyDetector:
                 alert(key, direction, v, f"{key} {verb} {before:.4g} -> {jumped:.4g} -> {v:.4g} (z={z:.1f})")
         change = v - last
         hist = self._changes.setdefault(key, deque(maxlen=self.window))
-        if len(hist) >= self.s["anomaly_min_history"] and jump is None:
+        if len(hist) >= self.s.anomaly_min_history and jump is None:
             med = statistics.median(list(hist))
             mad = statistics.median([abs(c - med) for c in hist])
             # A floor on the scale: a perfectly flat history must not turn rounding noise into alerts.
@@ -179,7 +181,7 @@ class AnomalyDetector:
     def _is_jump(self, direction, change, last, floor, z) -> bool:
         if abs(change) <= max(floor, RELATIVE_FLOOR * abs(last)):
             return False
-        return z > self.s["anomaly_z"] if direction == "spike" else z < -self.s["anomaly_z"]
+        return z > self.s.anomaly_z if direction == "spike" else z < -self.s.anomaly_z
 
     def _check_rss(self, key, v, alert) -> None:
         """A leak raises the floor: the least of the last RSS_RECENT readings against the window's
@@ -188,7 +190,7 @@ class AnomalyDetector:
         hist = self._rss.setdefault(key, deque(maxlen=self.window))
         hist.append(v)
         growth = min(list(hist)[-RSS_RECENT:]) - min(hist)
-        grown = len(hist) >= self.s["anomaly_min_history"] and growth > self.s["rss_growth_mb"]
+        grown = len(hist) >= self.s.anomaly_min_history and growth > self.s.rss_growth_mb
         if grown and not self._breached.get(key, False):
             alert(key, "memory", v, f"{key} grew {growth:.0f} MB over the last {len(hist)} iterations")
         self._breached[key] = grown

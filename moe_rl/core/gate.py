@@ -26,7 +26,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from moe_rl.core.correction import resolve_correction
 from moe_rl.core.errors import ConfigError, need
@@ -63,7 +63,11 @@ CONSISTENCY_DEFAULTS: Dict[str, Any] = defaults(ConsistencySettings)   # moe_rl.
 ABSOLUTE_KEYS = tuple(MISMATCH_LIMITS) + tuple(UPDATE_SIGNALS)
 
 
-def validate_consistency(c: dict) -> dict:
+def validate_consistency(c: Mapping[str, Any]) -> ConsistencySettings:
+    """Defaults merged in and every `consistency.*` field checked; returns it typed (a typed one
+    was checked when it was made)."""
+    if isinstance(c, ConsistencySettings):
+        return c
     unknown = sorted(set(c) - set(CONSISTENCY_DEFAULTS))
     if unknown:
         raise ConfigError(f"consistency.{unknown[0]}: unknown key, allowed: {', '.join(sorted(CONSISTENCY_DEFAULTS))}")
@@ -101,7 +105,7 @@ def validate_consistency(c: dict) -> dict:
          "consistency.position_bins", "an ascending list of ints >= 1", bins)
     need(isinstance(c["correction"], dict), "consistency.correction", "a mapping", c["correction"])
     c["correction"] = resolve_correction(c["correction"])
-    return c
+    return ConsistencySettings(**c)
 
 
 def mismatch_limits(overrides: Optional[dict] = None) -> Dict[str, Tuple[str, float]]:
@@ -164,9 +168,9 @@ class Verdict:
 class GateState:
     """Counters and the relative limits of one run (checkpointed with the run)."""
 
-    def __init__(self, settings: Dict[str, Any]):
+    def __init__(self, settings: ConsistencySettings):
         self.s = settings
-        self.absolute = {k: float(v) for k, v in settings["thresholds"].items() if k in UPDATE_SIGNALS}
+        self.absolute = {k: float(v) for k, v in settings.thresholds.items() if k in UPDATE_SIGNALS}
         self.limits: Dict[str, RelativeLimit] = {}
         self.holds_in_a_row = 0
         self.rollbacks_in_a_row = 0
@@ -179,7 +183,7 @@ class GateState:
 
     def _limit(self, key: str) -> RelativeLimit:
         if key not in self.limits:
-            self.limits[key] = RelativeLimit(self.s["relative_z"], self.s["relative_warmup"], self.s["relative_window"],
+            self.limits[key] = RelativeLimit(self.s.relative_z, self.s.relative_warmup, self.s.relative_window,
                                              SIGNAL_FLOORS[self.signal(key)])
         return self.limits[key]
 
@@ -218,7 +222,7 @@ class GateState:
                all_rejected: Sequence[str] = ()) -> Verdict:
         """all_rejected: one line per module whose update the rollout correction emptied (the
         learners skipped it; its weights did not move, so nothing else changes)."""
-        policy = self.s["policy"]
+        policy = self.s.policy
         v = Verdict("sync")
         heads = v.headlines
         if mismatch:
@@ -252,11 +256,11 @@ class GateState:
                 v.decision = "rollback"             # nothing can train on from NaN weights
             elif policy == "warn":
                 v.decision = "warn"
-            elif policy == "hold" and self.holds_in_a_row < self.s["max_holds"]:
+            elif policy == "hold" and self.holds_in_a_row < self.s.max_holds:
                 v.decision = "hold"
             else:
                 v.decision = "rollback"             # policy rollback, or a hold that did not clear
-            if v.decision == "rollback" and self.rollbacks_recent >= self.s["max_rollbacks"]:
+            if v.decision == "rollback" and self.rollbacks_recent >= self.s.max_rollbacks:
                 v.decision = "stop"
             v.actions.append(v.decision)
         # Streaks end only at a candidate that passes: hold, hold, rollback, hold, ... counts the
@@ -266,11 +270,11 @@ class GateState:
         self.rollbacks_in_a_row = 0 if passed else self.rollbacks_in_a_row + (v.decision == "rollback")
         self.passes_in_a_row = self.passes_in_a_row + 1 if passed else 0
         self.rollbacks_recent += v.decision == "rollback"
-        if self.passes_in_a_row >= self.s["max_rollbacks"]:
+        if self.passes_in_a_row >= self.s.max_rollbacks:
             self.rollbacks_recent = 0
         for d in ("hold", "rollback"):
             self.counts[d + "s"] += v.decision == d
-        v.lr_scale = self.s["rollback_lr_scale"] ** self.rollbacks_in_a_row
+        v.lr_scale = self.s.rollback_lr_scale ** self.rollbacks_in_a_row
         v.reason = "; ".join(v.reasons)
         return v
 

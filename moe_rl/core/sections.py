@@ -4,7 +4,8 @@ carry the type, the default and what the setting does (pure python).
     moe: MoESettings   deepspeed: DeepSpeedSettings   weight_sync: WeightSyncSettings
     stability: StabilitySettings   consistency: ConsistencySettings
 
-Everything else is derived from these: the defaults dicts the validators merge
+Every validator returns its section typed (a `Section`: frozen, read as attributes or as a
+mapping). Everything else is derived from these: the defaults dicts the validators merge
 (`defaults(MoESettings)`), the builders' help (`help(MoEPPOConfig.moe)`: `builder_doc`), and the
 builders' keyword arguments are checked against the fields (tests/test_bad_config.py). Validation
 (what is allowed, named in one ConfigError) stays with each section's validator.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
@@ -34,6 +36,27 @@ def defaults(section) -> Dict[str, Any]:
     return dataclasses.asdict(section())
 
 
+class Section(Mapping):
+    """A section's settings once validated (its validator returns one): frozen, read as attributes
+    (`s.top_k`) or, by the core's functions that take a plain mapping, as one (`s["top_k"]`,
+    `{**s, ...}`). A typed section passes through its validator without being checked again."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self.__dataclass_fields__)
+
+    def __len__(self) -> int:
+        return len(self.__dataclass_fields__)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A plain (deep) copy: what config.yaml and the checkpoint manifest hold."""
+        return dataclasses.asdict(self)
+
+
 def builder_doc(summary: str, section) -> str:
     """A builder's docstring: the summary, then every field with its default and doc."""
     lines = [summary, "", "Args:"]
@@ -44,8 +67,8 @@ def builder_doc(summary: str, section) -> str:
     return "\n".join(lines)
 
 
-@dataclass(frozen=True)
-class MoESettings:
+@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+class MoESettings(Section):
     """The MoE policy."""
 
     num_experts: int = setting(8, "N experts per MoE layer.")
@@ -125,8 +148,8 @@ class MoESettings:
     num_heads: int = setting(4, "token-sequence policies: attention heads.")
 
 
-@dataclass(frozen=True)
-class DeepSpeedSettings:
+@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+class DeepSpeedSettings(Section):
     """The DeepSpeed expert-parallel learner group."""
 
     enabled: Optional[bool] = setting(None, "None: on when moe.ep_size > 1 or a DeepSpeed config is given.")
@@ -139,8 +162,8 @@ class DeepSpeedSettings:
         "the learners' placement group: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.")
 
 
-@dataclass(frozen=True)
-class WeightSyncSettings:
+@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+class WeightSyncSettings(Section):
     """How the learners' weights reach the rollout actors."""
 
     transport: str = setting(
@@ -156,8 +179,8 @@ class WeightSyncSettings:
         "the groups are formed afresh at the next sync.")
 
 
-@dataclass(frozen=True)
-class StabilitySettings:
+@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+class StabilitySettings(Section):
     """The stability toolkit."""
 
     lr_schedules: Dict[str, Dict[str, Any]] = setting(
@@ -198,8 +221,8 @@ class StabilitySettings:
     rss_growth_mb: float = setting(512.0, "an actor's RSS growing more than this over the window is an alert.")
 
 
-@dataclass(frozen=True)
-class ConsistencySettings:
+@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+class ConsistencySettings(Section):
     """Drift checks and the sync gate."""
 
     enabled: bool = setting(True, "run the consistency checks (and the gate) at all.")

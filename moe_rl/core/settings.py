@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from moe_rl.core.balance import BALANCE_MODES
 from moe_rl.core.encoders import ENCODERS
@@ -47,9 +47,19 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[str, Any]:
-    """Check a full `moe` settings dict (defaults merged in); returns it. Field names are `moe.*`.
-    num_learners=None skips the learner-layout check (inside a module, which has no layout)."""
+def validate_moe(s: Mapping[str, Any], num_learners: Optional[int] = None) -> MoESettings:
+    """Check a full `moe` settings mapping (defaults merged in); returns it typed. Field names are
+    `moe.*`. A typed one was checked when it was made: only the learner layout is checked then.
+    num_learners=None skips that (inside a module, which has no layout)."""
+    if not isinstance(s, MoESettings):
+        s = _checked_moe(s)
+    ep = s.ep_size
+    _need(ep == 1 or num_learners is None or (num_learners >= ep and num_learners % ep == 0), "moe.ep_size",
+          f"a divisor of learners.num_learners={num_learners}", ep)
+    return s
+
+
+def _checked_moe(s: Mapping[str, Any]) -> MoESettings:
     unknown = sorted(set(s) - set(MOE_DEFAULTS))
     _need(not unknown, f"moe.{unknown[0] if unknown else ''}", f"one of {sorted(MOE_DEFAULTS)}",
           unknown[0] if unknown else None)
@@ -102,8 +112,6 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     ep = s["ep_size"]
     _need(_is_int(ep) and ep >= 1, "moe.ep_size", "an int >= 1", ep)
     _need(n % ep == 0, "moe.ep_size", f"a divisor of moe.num_experts={n}", ep)
-    _need(ep == 1 or num_learners is None or (num_learners >= ep and num_learners % ep == 0), "moe.ep_size",
-          f"a divisor of learners.num_learners={num_learners}", ep)
     rr = s["routing_replay"]
     _need(rr in ("auto", "mismatched") or isinstance(rr, bool), "moe.routing_replay", "auto, mismatched, true or false",
           rr)
@@ -116,7 +124,7 @@ def validate_moe(s: Dict[str, Any], num_learners: Optional[int] = None) -> Dict[
     vf = s["vf_hiddens"]
     _need(isinstance(vf, (list, tuple)) and all(_is_int(h) and h >= 1 for h in vf), "moe.vf_hiddens",
           "a list of ints >= 1", vf)
-    return s
+    return MoESettings(**s)
 
 
 def resolve_gate_normalization(s: Dict[str, Any], full_replay: bool) -> bool:
@@ -130,8 +138,10 @@ def resolve_gate_normalization(s: Dict[str, Any], full_replay: bool) -> bool:
 DEEPSPEED_DEFAULTS: Dict[str, Any] = defaults(DeepSpeedSettings)
 
 
-def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int) -> Dict[str, Any]:
-    """Validate `deepspeed.*` and resolve `enabled` and a JSON config path. Field names: deepspeed.*"""
+def resolve_deepspeed(d: Mapping[str, Any], moe: Mapping[str, Any], num_learners: int) -> DeepSpeedSettings:
+    """Validate `deepspeed.*` and resolve `enabled` and a JSON config path (typed). Field names:
+    deepspeed.* (a resolved section is checked again: `enabled` depends on the moe section and the
+    learner layout)."""
     unknown = sorted(set(d) - set(DEEPSPEED_DEFAULTS))
     _need(not unknown, f"deepspeed.{unknown[0] if unknown else ''}", f"one of {sorted(DEEPSPEED_DEFAULTS)}",
           unknown[0] if unknown else None)
@@ -165,7 +175,7 @@ def resolve_deepspeed(d: Dict[str, Any], moe: Dict[str, Any], num_learners: int)
           d["num_threads"])
     _need(d["placement_strategy"] in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
           "deepspeed.placement_strategy", "PACK, SPREAD, STRICT_PACK or STRICT_SPREAD", d["placement_strategy"])
-    return d
+    return DeepSpeedSettings(**d)
 
 
 SYNC_TRANSPORTS = ("object_store", "collective")
@@ -174,11 +184,24 @@ SYNC_BACKENDS = ("gloo", "nccl")
 WEIGHT_SYNC_DEFAULTS: Dict[str, Any] = defaults(WeightSyncSettings)
 
 
-def validate_weight_sync(d: Dict[str, Any], *, uses_deepspeed: Optional[bool] = None,
-                         num_env_runners: Optional[int] = None) -> Dict[str, Any]:
-    """Validate `weight_sync.*` (defaults merged in); returns the full dict. The collective transport
-    needs remote learners and remote rollout actors: the driver (a local learner or env runner)
-    cannot join a Ray collective group. None skips that layout check."""
+def validate_weight_sync(d: Mapping[str, Any], *, uses_deepspeed: Optional[bool] = None,
+                         num_env_runners: Optional[int] = None) -> WeightSyncSettings:
+    """Validate `weight_sync.*` (defaults merged in); returns it typed (a typed one: only the layout
+    is checked). The collective transport needs remote learners and remote rollout actors: the
+    driver (a local learner or env runner) cannot join a Ray collective group. None skips that
+    layout check."""
+    s = d if isinstance(d, WeightSyncSettings) else _checked_weight_sync(d)
+    if s.transport == "collective":
+        _need(uses_deepspeed is not False, "weight_sync.transport",
+              "object_store without the DeepSpeed learner group (collective needs remote learners: "
+              "deepspeed.enabled=true)", s["transport"])
+        _need(num_env_runners is None or num_env_runners >= 1, "weight_sync.transport",
+              "object_store with env_runners.num_env_runners=0 (collective needs remote rollout actors)",
+              s["transport"])
+    return s
+
+
+def _checked_weight_sync(d: Mapping[str, Any]) -> WeightSyncSettings:
     unknown = sorted(set(d) - set(WEIGHT_SYNC_DEFAULTS))
     _need(not unknown, f"weight_sync.{unknown[0] if unknown else ''}", f"one of {sorted(WEIGHT_SYNC_DEFAULTS)}",
           unknown[0] if unknown else None)
@@ -187,11 +210,4 @@ def validate_weight_sync(d: Dict[str, Any], *, uses_deepspeed: Optional[bool] = 
     _need(s["backend"] in SYNC_BACKENDS, "weight_sync.backend", f"one of {SYNC_BACKENDS}", s["backend"])
     for f in ("bucket_mb", "timeout_s"):
         _need(_is_num(s[f]) and s[f] > 0, f"weight_sync.{f}", "a finite number > 0", s[f])
-    if s["transport"] == "collective":
-        _need(uses_deepspeed is not False, "weight_sync.transport",
-              "object_store without the DeepSpeed learner group (collective needs remote learners: "
-              "deepspeed.enabled=true)", s["transport"])
-        _need(num_env_runners is None or num_env_runners >= 1, "weight_sync.transport",
-              "object_store with env_runners.num_env_runners=0 (collective needs remote rollout actors)",
-              s["transport"])
-    return s
+    return WeightSyncSettings(**s)

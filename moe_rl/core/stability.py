@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,8 +37,11 @@ STABILITY_DEFAULTS: Dict[str, Any] = defaults(StabilitySettings)   # moe_rl.core
 
 
 # --- settings ---------------------------------------------------------------------------------------
-def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
-    """Defaults merged in and every `stability.*` field checked; returns the full settings."""
+def validate_stability(d: Mapping[str, Any]) -> StabilitySettings:
+    """Defaults merged in and every `stability.*` field checked; returns the full settings, typed
+    (a typed one was checked when it was made)."""
+    if isinstance(d, StabilitySettings):
+        return d
     unknown = sorted(set(d) - set(STABILITY_DEFAULTS))
     _need(not unknown, f"stability.{unknown[0] if unknown else ''}", f"one of {sorted(STABILITY_DEFAULTS)}",
           unknown[0] if unknown else None)
@@ -94,7 +97,7 @@ def validate_stability(d: Dict[str, Any]) -> Dict[str, Any]:
         v = s[f]
         _need(isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_num(x) for x in v) and 0 <= v[0] < v[1],
               f"stability.{f}", "[low, high] with 0 <= low < high", v)
-    return s
+    return StabilitySettings(**s)
 
 
 def expert_dropout_at(spec: Optional[Dict[str, Any]], step: int) -> Optional[float]:
@@ -141,7 +144,7 @@ class StabilityToolkit:
     all_reduce_sum / world_size / ep_size: the learners' collective; None for a single learner.
     """
 
-    def __init__(self, settings: Dict[str, Any], named_params: Iterable[Tuple[str, torch.nn.Parameter]],
+    def __init__(self, settings: StabilitySettings, named_params: Iterable[Tuple[str, torch.nn.Parameter]],
                  is_expert: Callable[[str], bool] = lambda name: False,
                  all_reduce_sum: Optional[Collective] = None, world_size: int = 1, ep_size: int = 1):
         self.s = settings
@@ -262,7 +265,7 @@ class StabilityToolkit:
         return True, stats
 
     def _clip(self, sq: Dict[str, float], stats: Dict[str, float]) -> None:
-        base, factors = self.s["grad_clip"], self.s["grad_clip_factors"]
+        base, factors = self.s.grad_clip, self.s.grad_clip_factors
         coef = {}
         for g, v in sq.items():
             limit, norm = base * factors[g], math.sqrt(v)
@@ -274,10 +277,10 @@ class StabilityToolkit:
                 p.grad.mul_(c)
 
     def _project(self, grads: Sequence[Tuple[str, torch.Tensor]]) -> None:
-        r, refresh = self.s["projection_rank"], self.s["projection_refresh"]
+        r, refresh = self.s.projection_rank, self.s.projection_refresh
         renew = refresh > 0 and self.step_count % refresh == 0
         for n, g in grads:
-            if self.group_of[n] not in self.s["projection_groups"] or g.dim() not in (2, 3) or g.shape[-1] <= r:
+            if self.group_of[n] not in self.s.projection_groups or g.dim() not in (2, 3) or g.shape[-1] <= r:
                 continue
             if n not in self._bases or renew:
                 self._bases[n] = orthonormal_basis(g, r)

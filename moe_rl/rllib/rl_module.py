@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional
 
 import gymnasium as gym
@@ -31,6 +32,7 @@ from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.plasticity import trunk_dormancy
 from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk, mlp, policy_head
+from moe_rl.core.sections import MoESettings
 from moe_rl.core.settings import MOE_DEFAULTS, resolve_gate_normalization, validate_moe
 
 MOE_TOPK = "moe_topk"          # [B, L, k] top-k experts per MoE layer, recorded at rollout time
@@ -68,9 +70,13 @@ def replay_mode(s: Dict[str, Any], token_policy: bool = False) -> Optional[str]:
 class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
     @property
     def moe_settings(self) -> Dict[str, Any]:
-        # Validated once: the learner reads them at every minibatch.
+        # Typed when the module comes from a validated config (checked there); a plain mapping (a
+        # module built from a spec by hand) is checked here, once: the learner reads them at every
+        # minibatch.
         if "_moe_settings" not in self.__dict__:
-            self.__dict__["_moe_settings"] = validate_moe({**MOE_DEFAULTS, **self.model_config.get("moe", {})})
+            given = self.model_config.get("moe", {})
+            self.__dict__["_moe_settings"] = validate_moe(given if isinstance(given, MoESettings)
+                                                          else {**MOE_DEFAULTS, **given})
         return self.__dict__["_moe_settings"]
 
     def setup(self):
@@ -80,7 +86,7 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         # Training forwards replay in either mode (the trainer's view at the rollout's weights too:
         # there a partial replay is a full one).
         self.replay_mode = replay_mode(s, self.is_token_policy)
-        s = {**s, "normalize_gates": resolve_gate_normalization(s, self.replay_mode == "full")}
+        s = dataclasses.replace(s, normalize_gates=resolve_gate_normalization(s, self.replay_mode == "full"))
         if self.is_token_policy:
             vocab = int(obs_space["tokens"].high.max()) + 1
             length = int(obs_space["tokens"].shape[0])
