@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from moe_rl.algo.results import read_rows
 from moe_rl.app import checkpoint as ck
 from moe_rl.app.cli import main
 from moe_rl.core.settings import ConfigError
@@ -185,7 +186,7 @@ def assert_bit_identical(saved, restored):
 
 
 def rows(run):
-    return pq.read_table(run / "metrics.parquet").to_pylist()
+    return read_rows(str(run / "metrics.parquet"))   # the run may be rewriting it
 
 
 class Hooks:

@@ -1,11 +1,12 @@
 """The metrics row's return figures (moe_rl.algo.results): RLlib 2.60 reports the mean over the
 episodes that ended in the iteration, so the progress line and stop_return read a rolling mean over
-the last 100 or more episodes."""
+the last 100 or more episodes; and a table read while the run rewrites it."""
 import math
+import threading
 
 import pytest
 
-from moe_rl.algo.results import metrics_row, rolling_return_mean
+from moe_rl.algo.results import metrics_row, read_rows, rolling_return_mean, write_table
 
 pytestmark = pytest.mark.pure
 
@@ -31,3 +32,24 @@ def test_the_row_keeps_the_iterations_episode_count():
     assert (r["episodes"], r["episode_return_mean"]) == (7, 42.0)
     assert metrics_row({"env_runners": {}})["episodes"] == 0
     assert metrics_row({"env_runners": {"num_episodes": math.nan}})["episodes"] == 0
+
+
+def test_a_table_read_while_the_run_rewrites_it_is_whole(tmp_path):
+    """A user's `moe-rl report` (or a test's poll) during a run: every read sees one whole version.
+    Reading by path tore about 1 read in 4 here (pyarrow sizes the file, then opens it)."""
+    path, rows, stop = str(tmp_path / "metrics.parquet"), [{"iteration": 0}], threading.Event()
+    write_table(path, rows)
+
+    def run():
+        while not stop.is_set():
+            rows.append({"iteration": len(rows), f"col{len(rows) % 40}": 1.0})
+            write_table(path, list(rows))
+
+    writer = threading.Thread(target=run)
+    writer.start()
+    try:
+        lengths = [len(read_rows(path)) for _ in range(600)]
+    finally:
+        stop.set()
+        writer.join()
+    assert lengths == sorted(lengths) and lengths[-1] > lengths[0]   # the writer really ran alongside

@@ -19,10 +19,9 @@ import time
 from html import escape as esc
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import yaml
 
-from moe_rl.algo.results import atomic_write_bytes
+from moe_rl.algo.results import atomic_write_bytes, read_rows
 from moe_rl.app.plots import heatmap_svg, interval_plot_svg, xy_plot_svg
 from moe_rl.app.report_html import CSS, fig_row, fmt, not_recorded, section, table
 from moe_rl.app.report_tasks import task_figures, task_names
@@ -107,7 +106,7 @@ def _read(run_dir: str, name: str, notes: list):
     if not os.path.exists(path):
         return None
     try:
-        return pq.read_table(path).to_pylist()
+        return read_rows(path)
     except (OSError, ValueError, pa.ArrowException) as e:
         notes.append(f"{name}: unreadable ({e})")
         return None

@@ -7,12 +7,11 @@ import os
 import tempfile
 from typing import Any, Dict, List, Optional
 
-import pyarrow.parquet as pq
 import yaml
 from pyarrow import fs
 from tensorboardX import SummaryWriter
 
-from moe_rl.algo.results import atomic_write_bytes, write_table
+from moe_rl.algo.results import atomic_write_bytes, read_rows, write_table
 from moe_rl.app.run_signature import sign_bytes, signature_path
 
 INCOMPLETE = "INCOMPLETE"
@@ -157,7 +156,7 @@ class RunDir:
 def truncate_table(path: str, iteration: int, rows: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
     """The rows of a per-iteration table (`rows`, or read from `path`) up to `iteration`, rewritten."""
     if rows is None:
-        rows = pq.read_table(path).to_pylist() if os.path.isfile(path) else []
+        rows = read_rows(path) if os.path.isfile(path) else []
     rows = [r for r in rows if r.get("iteration") is not None and r["iteration"] <= iteration]
     if rows or os.path.isfile(path):
         write_table(path, rows)
