@@ -1,5 +1,7 @@
-"""One DeepSpeed-MoE learner: RLlib's PPO learner (loss, GAE connectors, metrics, LR schedules)
-whose optimizer step is a DeepSpeed engine and whose MoE layers are expert-parallel.
+"""One DeepSpeed-MoE learner: the algorithm's own MoE learner (MoE-PPO's or MoE-APPO's: RLlib's
+loss, connectors, metrics, LR schedules) whose optimizer step is a DeepSpeed engine and whose MoE
+layers are expert-parallel. `DeepSpeedLearner` goes before that learner class, as the MoE learner
+mixin goes before RLlib's (deepspeed_learner_class).
 
 Why not RLlib's own multi-learner path: its DDP wrap broadcasts rank 0's experts to every rank and
 then averages *different* experts' gradients. Here DeepSpeed owns gradient reduction: non-expert
@@ -30,7 +32,7 @@ from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
 from moe_rl.core.stability import StabilityToolkit, validate_stability
 from moe_rl.core.state_copy import keep_state, restore_state
-from moe_rl.rllib.learner import MoEPPOTorchLearner
+from moe_rl.rllib.moe_learner import MoELearner
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
 
@@ -44,8 +46,10 @@ def deepspeed_config(user: Dict[str, Any], minibatch_size: int, world_size: int)
     return cfg
 
 
-class DeepSpeedPPOLearner(MoEPPOTorchLearner):
-    """Lives inside a LearnerActor after torch.distributed is initialised."""
+class DeepSpeedLearner:
+    """Mixed in before an MoE TorchLearner; lives inside a LearnerActor after torch.distributed is
+    initialised. Nothing here is the algorithm's: the loss, the connectors and the hooks after an
+    update (APPO's target network, PPO's KL coefficient) stay the learner's own."""
 
     def _make_module(self):
         module = super()._make_module()
@@ -173,16 +177,26 @@ class DeepSpeedPPOLearner(MoEPPOTorchLearner):
                    for n, p in self.plain_module(mid).named_parameters() if is_expert_param(n))
 
 
+def deepspeed_learner_class(config) -> type:
+    """DeepSpeedLearner before the config's learner class (MoEPPOTorchLearner, MoEAPPOTorchLearner
+    or a user's subclass of either)."""
+    base = config.learner_class
+    if not issubclass(base, MoELearner):
+        raise TypeError(f"the DeepSpeed learner group needs an MoE learner class (moe_rl.rllib.moe_learner."
+                        f"MoELearner before RLlib's), got {base.__name__}")
+    return type(f"DeepSpeed{base.__name__}", (DeepSpeedLearner, base), {})
+
+
 PROCESS_GROUP_TIMEOUT_S = 1800.0   # torch's default for gloo
 
 
 class LearnerActor:
-    """Ray actor around one DeepSpeedPPOLearner (rank `rank` of `world_size`)."""
+    """Ray actor around one DeepSpeed learner (rank `rank` of `world_size`)."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int = 1):
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(num_threads)
-        self.learner: Optional[DeepSpeedPPOLearner] = None
+        self.learner: Optional[DeepSpeedLearner] = None
         self._listen = None   # rank 0: the process group store's socket, bound before it is announced
 
     def address(self):
@@ -212,7 +226,7 @@ class LearnerActor:
             if config.seed is not None:
                 torch.manual_seed(config.seed)
             report.step("building its DeepSpeed engines")
-            self.learner = DeepSpeedPPOLearner(config=config, module_spec=module_spec)
+            self.learner = deepspeed_learner_class(config)(config=config, module_spec=module_spec)
             self.learner.build()
 
     def update(self, **kwargs):
@@ -229,7 +243,7 @@ class LearnerActor:
 
     def _learner_extra(self) -> Dict[str, Any]:
         """The RLlib learner state DeepSpeed does not hold (counters, metrics, stability toolkit,
-        PPO's KL coefficients) and this process's torch RNG."""
+        the KL coefficients) and this process's torch RNG."""
         extra = self.learner.get_state(not_components=["rl_module"])
         extra.pop("optimizer", None)
         if callable(extra.get("should_module_be_updated")):  # from the config; rebuilt with it

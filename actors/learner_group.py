@@ -1,5 +1,6 @@
 """DeepSpeedLearnerGroup: N LearnerActors (one DeepSpeed engine per module each) in a Ray
-placement group, offering MoEPPO the learner-group interface of moe_rl.rllib.learner_group.
+placement group, offering MoEPPO and MoEAPPO the learner-group interface of
+moe_rl.rllib.learner_group.
 
 Every learner publishes its own part of the weights (the dense tensors from rank 0, each expert
 from the first learner that holds it); nobody materialises the full model for a sync — the
@@ -82,11 +83,13 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
     # --- training ---------------------------------------------------------------------------------
     def update(self, *, episodes=None, timesteps=None, **kwargs) -> List[Dict[str, Any]]:
         """Shard the episodes over the learners (equal minibatch counts: every rank runs the same
-        number of collective steps) and run RLlib's learner update on each."""
+        number of collective steps) and run RLlib's learner update on each. No minibatch size
+        (APPO's default): each learner takes its whole shard once per epoch, the same count too."""
         data = TrainingData(episodes=episodes)
         data.validate()
+        sized = {k: v for k, v in kwargs.items() if not (k == "minibatch_size" and v is None)}
         shards = list(data.shard(num_shards=len(self), len_lookback_buffer=self.config.episode_lookback_horizon,
-                                 **kwargs))
+                                 **sized))
         return ray.get([w.update.remote(training_data=td, timesteps=timesteps, **kw, **kwargs)
                         for w, (td, kw) in zip(self._workers, shards)])
 

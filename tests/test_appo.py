@@ -12,6 +12,7 @@ import torch
 
 from moe_rl import MoEAPPOConfig, MoEPPOConfig
 from moe_rl.actors.consistency import ConsistencyActor
+from moe_rl.actors.learner_group import DeepSpeedLearnerGroup
 from moe_rl.algo import faults
 from moe_rl.algo.config_builders import MoESections
 from moe_rl.core.gate import validate_consistency
@@ -73,7 +74,6 @@ def test_both_algorithms_take_the_same_moe_sections_with_every_key():
 
 @pytest.mark.pure
 @pytest.mark.parametrize("build, field", [
-    (lambda c: c.moe(ep_size=2).learners(num_learners=2), "deepspeed"),
     (lambda c: c.moe(router="reinforce"), "moe.router"),
     (lambda c: c.consistency(correction={"preset": "decoupled_is"}), "consistency.correction"),
 ])
@@ -175,21 +175,45 @@ def test_a_harmful_update_is_held_as_a_bad_update_while_healthy_ones_sync(ray_lo
         algo.stop()
 
 
-def test_the_target_policy_follows_the_trained_one(ray_local):
-    """APPO clips its surrogate against the target policy: it must move on (a target frozen at the
-    initial policy holds the policy near it; CartPole then plateaus at a return of about 70)."""
-    algo = _appo().training(target_network_update_freq=1, circular_buffer_num_batches=1,
-                            circular_buffer_iterations_per_batch=1).build_algo()
+def test_the_deepspeed_expert_parallel_group_serves_appo(ray_local, tmp_path):
+    """ep_size 2 over two DeepSpeed learners (gloo): APPO's own loss and target policy on sharded
+    experts. The ledger's same-weights mismatch stays at fp32 rounding beside the lag, the
+    learners' replicas (target policy included) agree at every check, and the group's checkpoint
+    (every learner its own part) restores the whole state, target included. The target policy
+    moves on: APPO clips its surrogate against it, and a target frozen at the initial policy holds
+    the policy near it (CartPole then plateaus at a return of about 70)."""
+    algo = (_appo().learners(num_learners=2).moe(ep_size=2)
+            .training(target_network_update_freq=1, circular_buffer_num_batches=1,
+                      circular_buffer_iterations_per_batch=1).build_algo())
+    group = algo.learner_group
+
+    def target(learner):
+        module = learner.module["default_policy"]
+        return (module._target_pi.weight.detach().clone(),
+                any(p.requires_grad for p in module._target_trunk.parameters()))
     try:
-        def target(learner):
-            module = learner.module["default_policy"]
-            return (module._target_pi.weight.detach().clone(),
-                    any(p.requires_grad for p in module._target_trunk.parameters()))
-        initial, _ = algo.learner_group.foreach(target)[0]
-        for _ in range(4):
+        assert isinstance(group, DeepSpeedLearnerGroup)
+        assert group.foreach(lambda l: type(l).__name__) == ["DeepSpeedMoEAPPOTorchLearner"] * 2
+        initial, _ = group.foreach(target)[0]
+        for _ in range(3):
             result = algo.train()
         assert result["learners"]["default_policy"]["num_target_updates"] >= 2
-        now, trainable = algo.learner_group.foreach(target)[0]
+        now, trainable = group.foreach(target)[0]
         assert not torch.equal(now, initial) and not trainable
+        rows = algo.sync_gate.rows
+        same = [r for r in rows if r["k3"] is not None]
+        assert same and max(r["k3"] for r in same) < 1e-9 and min(r["routing_agreement"] for r in same) == 1.0
+        assert {r["decision"] for r in rows} == {"sync"} and not any(r["cause"] for r in rows)
+        assert any(r["policy_lag_max"] >= 1 for r in rows)
+        path = group.save_to_path(str(tmp_path / "group"))
+        saved = group.module_state(inference_only=False)["default_policy"]
+        target_experts = [k for k in saved if k.startswith("_target_trunk") and "expert" in k]
+        assert target_experts, sorted(saved)[:5]
+        algo.train()
+        moved = group.module_state(inference_only=False)["default_policy"]
+        assert any(not np.array_equal(moved[k], saved[k]) for k in target_experts)
+        group.restore_from_path(path)
+        restored = group.module_state(inference_only=False)["default_policy"]
+        assert restored.keys() == saved.keys() and all(np.array_equal(restored[k], saved[k]) for k in saved)
     finally:
         algo.stop()

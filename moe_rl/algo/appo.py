@@ -46,9 +46,6 @@ class MoEAPPOConfig(MoEConfig, APPOConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.uses_deepspeed:
-            raise ConfigError("deepspeed: the expert-parallel learner group runs PPO only (moe.ep_size 1 and no "
-                              "deepspeed.config with algo appo); MoE-APPO trains on RLlib's learner group")
         if self.moe_settings["router"] == "reinforce":
             raise ConfigError("moe.router: reinforce needs PPO's advantages in the batch; with algo appo one of "
                               "topk, sinkhorn, bias, task")

@@ -7,14 +7,27 @@ no optimizer group, balance step, dormancy probe or rollout copy ever sees them.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, List
 
 import torch
-from ray.rllib.core.learner.utils import make_target_network
+import torch.distributed as dist
 from ray.rllib.core.rl_module.apis import TARGET_NETWORK_ACTION_DIST_INPUTS, TargetNetworkAPI
 
 from moe_rl.core.stability import expert_dropout_off
 from moe_rl.rllib.rl_module import MoEPolicyModule
+
+
+def make_target_network(net: torch.nn.Module) -> torch.nn.Module:
+    """RLlib's make_target_network (a deep copy, not trainable), sharing what a copy cannot hold: an
+    expert-parallel layer's process groups (DeepSpeed's learner), so the target's experts talk to
+    the same ranks as the trained ones."""
+    groups = {} if not dist.is_available() else {
+        id(v): v for m in net.modules() for v in vars(m).values() if isinstance(v, dist.ProcessGroup)}
+    target = copy.deepcopy(net, groups)
+    for p in target.parameters():
+        p.requires_grad = False
+    return target
 
 
 class MoEAPPOModule(MoEPolicyModule, TargetNetworkAPI):
