@@ -14,8 +14,10 @@ update splits the batch with its own sharding; every method a subclass keeps wou
 this group does not have. It offers the same public surface instead (update, get_state /
 set_state, save_to_path / restore_from_path, foreach_learner-style `foreach`, shutdown) plus the
 interface of moe_rl.rllib.learner_group. Its get_state assembles the module on the driver only
-because RLlib's Algorithm.get_state asks for it (in-memory state, Tune); checkpoints never do:
-save_to_path has every learner write its own part.
+because RLlib asks for it: Algorithm.setup seeds the rollout actors from it once at build
+(algorithm.py, "Sync the weights from the learner group to the EnvRunners"; the gate's first sync
+replaces that copy from the learners' parts right after), and Algorithm.get_state for in-memory
+state (Tune). Syncs and checkpoints never do: save_to_path has every learner write its own part.
 """
 from __future__ import annotations
 
