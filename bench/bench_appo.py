@@ -13,7 +13,9 @@ Arms (each from the suite's config, configs/appo_cartpole.yaml or appo_minigrid_
                     one of the same active width (moe_rl.rllib.dense_peer)
 Every run trains until --budget env steps. Per run: env steps/s over the whole run (training
 included; building the algorithm not), the wall seconds and env steps at which the mean
-training return first reached --target, and the final return. One JSON per (suite, arm, seed)
+training return first reached --target, the final return, and the env steps trained per env step
+sampled (on 2 cores the rollout actors and the learner share the CPU: an arm whose learner trains
+less samples faster, so read throughput beside it). One JSON per (suite, arm, seed)
 under bench/results/appo/; the arms of a seed run one after another, seeds in turn.
 """
 from __future__ import annotations
@@ -78,7 +80,8 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget: int, target: floa
             r = algo.train()
             steps = r["env_runners"]["num_env_steps_sampled_lifetime"]
             curve.append({"time_s": time.time() - start, "env_steps": steps,
-                          "return": r["env_runners"].get("episode_return_mean")})
+                          "return": r["env_runners"].get("episode_return_mean"),
+                          "trained_steps": r["learners"]["__all_modules__"].get("num_env_steps_trained_lifetime")})
             print(f"{suite} {arm} seed {seed}: {steps} steps, return {curve[-1]['return']}, "
                   f"{curve[-1]['time_s']:.0f}s", flush=True)
         algo.stop()
@@ -88,7 +91,14 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget: int, target: floa
     _write_json(out, {"suite": suite, "arm": arm, "seed": seed, "budget": budget, "target": target,
                       "steps_per_s": curve[-1]["env_steps"] / curve[-1]["time_s"],
                       "time_to_target_s": hit and hit["time_s"], "steps_to_target": hit and hit["env_steps"],
-                      "final_return": curve[-1]["return"], "curve": curve, "command": " ".join(sys.argv)})
+                      "final_return": curve[-1]["return"],
+                      "trained_per_sampled": (curve[-1]["trained_steps"] or 0) / curve[-1]["env_steps"],
+                      "curve": curve, "command": " ".join(sys.argv)})
+
+
+def _median_of(by_seed: dict, key: str) -> str:
+    values = [r[key] for r in by_seed.values() if key in r]   # runs older than the field lack it
+    return f"{statistics.median(values):.2f}" if values else "-"
 
 
 def report(results: str) -> str:
@@ -99,7 +109,8 @@ def report(results: str) -> str:
                 r = json.load(f)
             runs.setdefault((r["suite"], r["arm"]), {})[r["seed"]] = r
     lines = ["| suite | arm | seeds | env steps/s (median) | vs stock APPO (median of per-seed ratios) | "
-             "time to target s (median; reached) | final return (median) |", "|---" * 7 + "|"]
+             "time to target s (median; reached) | final return (median) | trained per sampled step (median) |",
+             "|---" * 8 + "|"]
     for (suite, arm), by_seed in sorted(runs.items()):
         stock = runs.get((suite, "stock_appo"), {})
         ratios = [r["steps_per_s"] / stock[s]["steps_per_s"] for s, r in by_seed.items() if s in stock] or [math.nan]
@@ -107,7 +118,8 @@ def report(results: str) -> str:
         speed = statistics.median(r["steps_per_s"] for r in by_seed.values())
         lines.append(f"| {suite} | {arm} | {len(by_seed)} | {speed:.0f} | {statistics.median(ratios):.2f} | "
                      f"{(f'{statistics.median(hits):.0f}' if hits else '-')} ({len(hits)}/{len(by_seed)}) | "
-                     f"{statistics.median(r['final_return'] for r in by_seed.values()):.3g} |")
+                     f"{statistics.median(r['final_return'] for r in by_seed.values()):.3g} | "
+                     f"{_median_of(by_seed, 'trained_per_sampled')} |")
     for suite in sorted({s for s, _ in runs}):
         on, off = runs.get((suite, "moe_appo"), {}), runs.get((suite, "moe_appo_nocheck"), {})
         every10 = runs.get((suite, "moe_appo_every10"), {})
