@@ -112,7 +112,10 @@ class DeepSpeedLearner:
         return optimizer or ds_optimizer
 
     def _uncompiled_update(self, batch, **kwargs):
-        """RLlib's update step without the DDP `no_sync` context (there is no DDP here)."""
+        """RLlib's update step without the DDP `no_sync` context. A private method, overridden
+        because it is where RLlib 2.60 enters `module.no_sync()` whenever num_learners > 1, a DDP
+        method that our modules lack (DeepSpeed reduces the gradients in engine.backward, so there
+        is no DDP wrapper to give it); everything else is RLlib's public hooks, called as there."""
         self._compute_off_policyness(batch)
         fwd_out = self.module.forward_train(batch)
         loss_per_module = self.compute_losses(fwd_out=fwd_out, batch=batch)
