@@ -91,13 +91,14 @@ def run_one(arm: str, suite: str, seed: int, out: str, budget: int, target: floa
     _write_json(out, {"suite": suite, "arm": arm, "seed": seed, "budget": budget, "target": target,
                       "steps_per_s": curve[-1]["env_steps"] / curve[-1]["time_s"],
                       "time_to_target_s": hit and hit["time_s"], "steps_to_target": hit and hit["env_steps"],
-                      "final_return": curve[-1]["return"],
-                      "trained_per_sampled": (curve[-1]["trained_steps"] or 0) / curve[-1]["env_steps"],
-                      "curve": curve, "command": " ".join(sys.argv)})
+                      "final_return": curve[-1]["return"], "curve": curve, "command": " ".join(sys.argv)})
 
 
-def _median_of(by_seed: dict, key: str) -> str:
-    values = [r[key] for r in by_seed.values() if key in r]   # runs older than the field lack it
+def _trained_per_sampled(by_seed: dict) -> str:
+    """The median over seeds of the env steps trained per step sampled, from each run's last
+    point (runs made before the curve recorded trained_steps have none)."""
+    values = [c["trained_steps"] / c["env_steps"] for c in (r["curve"][-1] for r in by_seed.values())
+              if c.get("trained_steps")]
     return f"{statistics.median(values):.2f}" if values else "-"
 
 
@@ -119,7 +120,7 @@ def report(results: str) -> str:
         lines.append(f"| {suite} | {arm} | {len(by_seed)} | {speed:.0f} | {statistics.median(ratios):.2f} | "
                      f"{(f'{statistics.median(hits):.0f}' if hits else '-')} ({len(hits)}/{len(by_seed)}) | "
                      f"{statistics.median(r['final_return'] for r in by_seed.values()):.3g} | "
-                     f"{_median_of(by_seed, 'trained_per_sampled')} |")
+                     f"{_trained_per_sampled(by_seed)} |")
     for suite in sorted({s for s, _ in runs}):
         on, off = runs.get((suite, "moe_appo"), {}), runs.get((suite, "moe_appo_nocheck"), {})
         every10 = runs.get((suite, "moe_appo_every10"), {})
