@@ -15,7 +15,9 @@ from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from moe_rl.core.drift import drift_by_position, drift_metrics, policy_kl, routing_agreement
 from moe_rl.core.gate import GateState, breaches, mismatch_limits
@@ -202,3 +204,12 @@ class ConsistencyActor:
         self.sync_id = int(state.get("sync_id", self.sync_id))
         if state.get("probe_obs") is not None:
             self.probe_obs, self.probe_view = state["probe_obs"], state["probe_view"]
+
+
+def start_consistency_actor(settings: ConsistencySettings, discrete: Dict[str, bool]):
+    """The ConsistencyActor, on the caller's (the driver's) own node. It asks for no resources, so
+    Ray may place it on any node; it holds the gate's state, and on another host, losing that host
+    ended a run that the learners' rebuild would have saved (tests/test_two_hosts.py). Here it
+    shares the fate of the driver, whose loss ends the run anyway."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(ConsistencyActor).options(num_cpus=0, scheduling_strategy=here).remote(settings, discrete)

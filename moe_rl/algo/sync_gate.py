@@ -32,7 +32,7 @@ import numpy as np
 import ray
 import tree
 
-from moe_rl.actors.consistency import ConsistencyActor
+from moe_rl.actors.consistency import start_consistency_actor
 from moe_rl.algo.weight_sync import CollectiveWeightSync
 from moe_rl.core.digests import Sample, differing, max_abs_diff, sample_of
 from moe_rl.core.drift import format_breach
@@ -94,7 +94,7 @@ class SyncGate:
                 lambda r: {m: mod.action_space for m, mod in runner_modules(r).items()
                            if isinstance(mod, MoEPolicyModule)})[1][0].items()}
             self.moe_modules = set(discrete)   # the modules whose rollout copy records routing
-            self.actor = ray.remote(ConsistencyActor).options(num_cpus=0).remote(consistency, discrete)
+            self.actor = start_consistency_actor(consistency, discrete)
 
     @property
     def group(self):
