@@ -5,6 +5,8 @@ import math
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_rl.algo.results import metrics_row, read_rows, rolling_return_mean, write_table
 
@@ -53,3 +55,42 @@ def test_a_table_read_while_the_run_rewrites_it_is_whole(tmp_path):
         stop.set()
         writer.join()
     assert lengths == sorted(lengths) and lengths[-1] > lengths[0]   # the writer really ran alongside
+
+
+# Values an iteration's row may hold for one column: text (a gate decision), numbers, flags, NaN
+# (RLlib's "no value this iteration"), None, or nothing at all (the key missing).
+CELLS = st.one_of(st.none(), st.just(math.nan), st.booleans(), st.integers(-5, 5),
+                  st.floats(allow_nan=False, allow_infinity=True), st.sampled_from(["sync", "hold", ""]))
+ROWS = st.lists(st.dictionaries(st.sampled_from(["drift/decision", "k3", "episodes", "flag"]), CELLS).map(
+    lambda r: {"iteration": 1, **r}), min_size=1, max_size=12)   # every table's rows carry their iteration
+
+
+@given(ROWS)
+@settings(max_examples=60, deadline=None)
+def test_any_mix_of_missing_and_mixed_values_is_written_with_one_type_per_column(tmp_path_factory, rows):
+    """A run never dies of its own bookkeeping: whatever an iteration held (no check, no episode,
+    a decision in one iteration and NaN in the next), the table is written, each column has one
+    type, and nothing is lost: text stays text, numbers keep their value."""
+    path = str(tmp_path_factory.mktemp("t") / "t.parquet")
+    write_table(path, rows)
+    back = read_rows(path)
+    assert len(back) == len(rows)
+    for column in {k for r in rows for k in r}:
+        given_values = [r.get(column) for r in rows]
+        got = [r[column] for r in back]
+        texts = any(isinstance(v, str) for v in given_values)
+        for want, have in zip(given_values, got):
+            if want is None or (isinstance(want, float) and math.isnan(want)):
+                assert have is None or (isinstance(have, float) and math.isnan(have))
+            elif texts:
+                assert have == (want if isinstance(want, str) else str(want))
+            else:
+                assert have == want or float(have) == float(want)
+        assert len({type(v) for v in got if v is not None}) <= 1
+
+
+def test_an_appo_iteration_without_a_check_writes_null_decisions_beside_text(tmp_path):
+    """The crash on a busy machine: iteration 1 held a check ("sync"), iteration 2 none (NaN)."""
+    path = str(tmp_path / "metrics.parquet")
+    write_table(path, [{"iteration": 1, "drift/decision": "sync"}, {"iteration": 2, "drift/decision": math.nan}])
+    assert [r["drift/decision"] for r in read_rows(path)] == ["sync", None]

@@ -158,12 +158,31 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
         raise
 
 
+def column_values(values: List[Any]) -> List[Any]:
+    """One column's values with one type whatever each row held: a run's own rows differ by
+    iteration (an APPO iteration with no check has no decision; an iteration with no episode no
+    return), and Parquet needs one type per column. Text wins over numbers (a number in a text
+    column becomes its text; NaN and None become null), numbers over flags (float where any is a
+    float); nested values (lists, dicts) are kept as they are."""
+    present = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if any(isinstance(v, str) for v in present):
+        return [None if v is None or (isinstance(v, float) and math.isnan(v)) else
+                v if isinstance(v, str) else str(v) for v in values]
+    if present and all(isinstance(v, bool) for v in present):
+        return [None if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values]
+    if present and all(isinstance(v, (int, float)) for v in present):
+        if any(isinstance(v, float) for v in values) or any(isinstance(v, bool) for v in present):
+            return [None if v is None else float(v) for v in values]
+        return values
+    return values
+
+
 def write_table(path: str, rows: List[Dict[str, Any]]) -> None:
-    """Rows (possibly with differing keys) -> one Parquet file, written atomically."""
+    """Rows (possibly with differing keys and types) -> one Parquet file, written atomically."""
     columns: Dict[str, None] = {}
     for r in rows:
         columns.update(dict.fromkeys(r))
-    table = pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in rows])
+    table = pa.table({c: column_values([r.get(c) for r in rows]) for c in columns}) if rows else pa.table({})
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     atomic_write_bytes(path, sink.getvalue().to_pybytes())
