@@ -64,16 +64,16 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
         if trial_pg is not None and len(trial_pg.bundle_specs) >= n:
             self._pg, self._own_pg, first = trial_pg, False, len(trial_pg.bundle_specs) - n
         else:
-            self._pg, self._own_pg, first = placement_group(bundles, strategy=ds["placement_strategy"]), True, 0
+            self._pg, self._own_pg, first = placement_group(bundles, strategy=ds.placement_strategy), True, 0
         logger.info("moe-rl: starting %d DeepSpeed learners (ep_size %d, each %s) ...", n,
-                    config.moe_settings["ep_size"], bundles[0])
+                    config.moe_settings.ep_size, bundles[0])
         t0 = time.monotonic()
         actor_cls = ray.remote(LearnerActor)
         self._workers = [
             actor_cls.options(num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
                               resources={k: v for k, v in b.items() if k not in ("CPU", "GPU")},
                               scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, first + i)).remote(
-                i, n, ds.get("num_threads", 1))
+                i, n, ds.num_threads)
             for i, b in enumerate(bundles)]
         addr, port = ray.get(self._workers[0].address.remote())
         ray.get([w.build.remote(config, module_spec, addr, port) for w in self._workers])

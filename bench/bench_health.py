@@ -88,7 +88,7 @@ def healthy_runs(args):
             t = time.time()
             rows, alerts = _train(config.build_algo(), min(cfg.get("iterations", 50), args.iterations),
                                   cfg.get("stop_return"))
-            warmup = config.stability_settings.get("health_warmup", 3)
+            warmup = config.stability_settings.health_warmup
             yield {"group": "healthy", "name": name, "seed": seed, "warmup": warmup, "rows": rows,
                    "alerts": alerts, "seconds": time.time() - t}
 

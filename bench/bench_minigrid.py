@@ -139,7 +139,7 @@ def policy_parameters(module) -> dict:
         if name.startswith("vf"):
             continue
         total += p.numel()
-        active += p.numel() * (s["top_k"] / s["num_experts"] if s and ".experts." in name else 1)
+        active += p.numel() * (s.top_k / s.num_experts if s and ".experts." in name else 1)
     return {"total": total, "active": int(active)}
 
 

@@ -56,7 +56,7 @@ def policy_params(algo):
     if not experts:
         return total
     s = module.moe_settings
-    return total - experts + experts * s["top_k"] // s["num_experts"]
+    return total - experts + experts * s.top_k // s.num_experts
 
 
 def equal_active_hidden(active: int) -> int:

@@ -133,16 +133,17 @@ def report(base: Setup, gpus, experts, at_gpus: int, at_experts: int, ep_at: tup
 
 
 def print_report(rep: dict) -> None:
-    s = rep["setup"]
-    inter = f"{s['ib_gbs']:g} GB/s/GPU ib" if s["fabric"] == "ib" else f"{s['eth_gbs']:g} GB/s/node eth"
-    print(f"shape d={s['d_model']} d_ff={s['d_ff']} L={s['num_layers']} k={s['top_k']} dense={s['dense_params']:,};"
-          f" {s['tokens']} tokens/learner/step, {s['steps_per_iter']} steps/iter, {s['precision']},"
-          f" check every {s['check_every']}, ep_size {s['ep_size']};\nNVLink {s['nvlink_gbs']:g} GB/s,"
-          f" inter-node {inter}, object store {s['eth_gbs']:g} GB/s/node; {s['gpu_tflops']:g} TFLOPS x"
-          f" {s['mfu']:g} MFU; {s['rollout_per_gpu']:g} rollout actor/GPU, {s['rollout_per_node']}/node")
+    setup = rep["setup"]
+    inter = f"{setup['ib_gbs']:g} GB/s/GPU ib" if setup["fabric"] == "ib" else f"{setup['eth_gbs']:g} GB/s/node eth"
+    print(f"shape d={setup['d_model']} d_ff={setup['d_ff']} L={setup['num_layers']} k={setup['top_k']} "
+          f"dense={setup['dense_params']:,};"
+          f" {setup['tokens']} tokens/learner/step, {setup['steps_per_iter']} steps/iter, {setup['precision']},"
+          f" check every {setup['check_every']}, ep_size {setup['ep_size']};\nNVLink {setup['nvlink_gbs']:g} GB/s,"
+          f" inter-node {inter}, object store {setup['eth_gbs']:g} GB/s/node; {setup['gpu_tflops']:g} TFLOPS x"
+          f" {setup['mfu']:g} MFU; {setup['rollout_per_gpu']:g} rollout actor/GPU, {setup['rollout_per_node']}/node")
     print("a2a, dAR, eAR: term alone vs compute; comm: all-in share of the step; sync, chk: term alone vs"
-          f" training time per iteration;\nsync s: weight_sync.transport {s['sync_transport']}"
-          f" ({s['sync_backend']}, {s['inference_dtype']} rollout copy), os s: the object store (fp32);"
+          f" training time per iteration;\nsync s: weight_sync.transport {setup['sync_transport']}"
+          f" ({setup['sync_backend']}, {setup['inference_dtype']} rollout copy), os s: the object store (fp32);"
           " every: smallest consistency.every for chk <= limit;\ngath s: the gathered check this one replaced")
     n, e = rep["ep_at"]
     print(f"\nGPU sweep at {rep['at_experts']} experts\n" + table(rep["sweep_gpus"]))

@@ -148,9 +148,11 @@ def test_validate_checks_each_section_once_and_hands_it_on_typed_and_frozen():
     for section, cls in SECTION_FIELDS.items():
         assert type(getattr(config, f"{section}_settings")) is cls, section
     moe = config.moe_settings
-    assert moe.num_experts == 4 and moe["num_experts"] == 4 and moe == {**MOE_DEFAULTS, "num_experts": 4}
+    assert moe.num_experts == 4 and moe.to_dict() == {**MOE_DEFAULTS, "num_experts": 4}
+    with pytest.raises(TypeError, match=r"read as attributes: \.num_experts"):   # never by string key
+        moe["num_experts"]
     assert config.stability_settings.grad_clip == 1.0
-    assert config._model_config_auto_includes["moe"] is moe
+    assert config.model_config["moe"] is moe
     assert validate_moe(moe) is moe and validate_stability(config.stability_settings) is config.stability_settings
     with pytest.raises(dataclasses.FrozenInstanceError):
         moe.top_k = 3

@@ -88,8 +88,8 @@ def test_routing_rejection_compares_expert_sets_per_layer():
 
 def test_presets_and_bad_settings():
     s = settings(preset="geo_rs_veto")
-    assert s["rs_level"] == "geometric" and s["veto_threshold"] == 1e-4
-    assert settings(preset="token_is", is_threshold=3.0)["is_threshold"] == 3.0      # explicit keys win
+    assert s.rs_level == "geometric" and s.veto_threshold == 1e-4
+    assert settings(preset="token_is", is_threshold=3.0).is_threshold == 3.0      # explicit keys win
     for bad, field in [({"preset": "tis"}, "preset"), ({"is_level": "episode"}, "is_level"),
                        ({"mode": "bypass", "is_level": "token"}, "is_level"),
                        ({"mode": "bypass", "rs_level": "geometric"}, "mode"), ({"rs_threshold": 0}, "rs_threshold"),

@@ -42,11 +42,12 @@ def test_memory_at_the_calibration_point_equals_the_measured_expert_bytes():
 
 def test_parameter_counts_match_the_real_trunk():
     from moe_rl.core.policy import MoEMLPTrunk
-    from moe_rl.core.settings import MOE_DEFAULTS
+    from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
     from moe_rl.core.sharding import is_expert_param
     shape = report.BENCH_LEARNER
-    trunk = MoEMLPTrunk(4, dict(MOE_DEFAULTS, num_experts=shape["num_experts"], top_k=shape["top_k"],
-                                num_layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"]))
+    trunk = MoEMLPTrunk(4, validate_moe(dict(MOE_DEFAULTS, num_experts=shape["num_experts"], top_k=shape["top_k"],
+                                             num_layers=shape["num_layers"], d_model=shape["d_model"],
+                                             d_ff=shape["d_ff"])))
     named = dict(trunk.named_parameters())
     p = cm.params(cm.Setup(**shape))
     assert sum(v.numel() for n, v in named.items() if is_expert_param(f"trunk.{n}")) == p["experts"]

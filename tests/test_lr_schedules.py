@@ -11,7 +11,7 @@ from torch.optim import lr_scheduler
 
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.lr_schedules import GroupLR
-from moe_rl.core.settings import MOE_DEFAULTS, resolve_deepspeed
+from moe_rl.core.settings import resolve_deepspeed
 from moe_rl.core.stability import StabilityToolkit, validate_stability
 
 # One tensor per parameter group, under the module paths the policy uses.
@@ -124,7 +124,7 @@ def test_a_restored_toolkit_continues_the_schedule_and_a_rollback_returns_to_its
     spec = {**CASES[kind][0], "warmup_steps": 5}
     settings = validate_stability({"lr_schedules": {"experts": spec}})
     expected = with_warmup(spec["lr"], 5, CASES[kind][1](spec, STEPS))
-    schedule = GroupLR(settings["lr_schedules"]["experts"])
+    schedule = GroupLR(settings.lr_schedules["experts"])
     for t in range(90):
         assert schedule.lr == pytest.approx(expected[t], rel=1e-9, abs=1e-15)
         schedule.step()
@@ -143,7 +143,7 @@ def test_the_templates_schedules_keep_their_meaning():
     with half-period step_size, SGDR restarts at t_0, t_0 (1 + t_mult), ..., a linear warm-up
     lr (t+1)/w before the schedule starts at its own step 0."""
     def lrs(spec, ts):
-        schedule = GroupLR(validate_stability({"lr_schedules": {"experts": spec}})["lr_schedules"]["experts"])
+        schedule = GroupLR(validate_stability({"lr_schedules": {"experts": spec}}).lr_schedules["experts"])
         out = []
         for t in ts:
             schedule.seek(t)
@@ -172,7 +172,7 @@ def test_schedule_combinations_that_would_be_two_lr_systems_are_refused():
         validate_stability({"lr_schedules": {"experts": {"schedule": "cosine", "lr": 1e-4, "eta_min": 1e-3,
                                                          "t_max": 10}}})
     with pytest.raises(ConfigError, match=r"deepspeed.config.scheduler"):
-        resolve_deepspeed({"config": {"scheduler": {"type": "WarmupLR"}}}, dict(MOE_DEFAULTS), 2)
+        resolve_deepspeed({"config": {"scheduler": {"type": "WarmupLR"}}}, 1, 2)
 
 
 # --- a training run ---------------------------------------------------------------------------------

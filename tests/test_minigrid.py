@@ -17,7 +17,7 @@ from moe_rl.app.run_config import load_run_config, validate_run_config
 from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.policy import MoEMLPTrunk
-from moe_rl.core.settings import MOE_DEFAULTS
+from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
 from moe_rl.envs.minigrid_mt import SUITES, MultiTaskMiniGrid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,7 +131,8 @@ def test_reset_option_pins_the_task_and_one_hot_matches():
 @pytest.mark.pure
 def test_the_task_router_receives_each_rows_own_task_id():
     space = gym.make("moe_rl/MiniGrid-MT3-v0").observation_space
-    s = {**MOE_DEFAULTS, "router": "task", "router_kwargs": {"num_tasks": 3}, "num_experts": 4, "num_layers": 2}
+    s = validate_moe({**MOE_DEFAULTS, "router": "task", "router_kwargs": {"num_tasks": 3}, "num_experts": 4,
+                      "num_layers": 2, "task_slice": [0, 3]})
     trunk = MoEMLPTrunk(ObservationEncoder(space, "auto", [0, 3]), s)
     assert trunk.encoder.cnn is not None                 # auto picks the CNN for the image
     seen = []

@@ -135,10 +135,11 @@ def test_bf16_inference_copy_drifts_measurably(ray_local):
     ({"routing_replay": "mismatched"}, "mismatched", "mismatched")])
 def test_routing_replay_auto_resolves_by_what_makes_routing_differ(moe, mode, token_mode):
     """The token trunk's capacity groups are its sequences: in fp32 it needs no replay."""
-    from moe_rl.core.settings import MOE_DEFAULTS
+    from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
     from moe_rl.rllib.rl_module import replay_mode
-    assert replay_mode({**MOE_DEFAULTS, **moe}) == mode
-    assert replay_mode({**MOE_DEFAULTS, **moe}, token_policy=True) == token_mode
+    s = validate_moe({**MOE_DEFAULTS, **moe})
+    assert replay_mode(s) == mode
+    assert replay_mode(s, token_policy=True) == token_mode
 
 
 # The quickstart's training settings before its small, frequent updates (BENCHMARKS.md's R3 figures).

@@ -80,7 +80,7 @@ def test_the_correction_is_the_identity_when_rollout_equals_trainer(d, batch):
         return
     _, valid, seq = batch
     w, keep, m = correct(torch.zeros(len(valid), dtype=torch.float64), valid, seq, s)
-    assert torch.all(w[valid] == 1.0) or (s["is_threshold"] < 1 and torch.allclose(w[valid], w[valid][0]))
+    assert torch.all(w[valid] == 1.0) or (s.is_threshold < 1 and torch.allclose(w[valid], w[valid][0]))
     assert m["correction/rejected_fraction"] == 0.0 and m["correction/k3"] == 0.0
 
 

@@ -86,7 +86,7 @@ def test_per_group_clipping_respects_each_groups_threshold():
     backward(model, scale=100.0)
     ok, stats = process(tk, 1e-3, opt)
     assert ok
-    factors = validate_stability({})["grad_clip_factors"]
+    factors = validate_stability({}).grad_clip_factors
     for g in tk.groups:
         pre = stats[f"stability/grad_norm/{g}"]
         post = math.sqrt(sum(float(p.grad.pow(2).sum()) for n, p in model.named_parameters()
@@ -415,12 +415,12 @@ def test_bad_stability_settings_name_the_field(settings, field):
 @pytest.mark.parametrize("token_policy", [False, True])
 def test_activation_checkpointing_gives_the_same_outputs_and_gradients(token_policy):
     from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk
-    from moe_rl.core.settings import MOE_DEFAULTS
+    from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
     grads = []
     for ckpt in (False, True):
         torch.manual_seed(0)
-        s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "activation_checkpointing": ckpt,
-             "expert_dropout": 0.1}
+        s = validate_moe({**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4,
+                          "activation_checkpointing": ckpt, "expert_dropout": 0.1})
         if token_policy:
             trunk = MoETransformerTrunk(5, s)
             obs = {"tokens": torch.randint(0, 5, (6, 8)), "position": torch.randint(0, 8, (6,))}
@@ -441,10 +441,10 @@ def test_token_trunk_features_do_not_depend_on_the_rest_of_the_batch(positions, 
     padding mask: trailing padding must stay hidden by causality; under a capacity factor each
     sequence is its own capacity group); relative positions run past max_seq_len."""
     from moe_rl.core.policy import MoETransformerTrunk
-    from moe_rl.core.settings import MOE_DEFAULTS
+    from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
     torch.manual_seed(0)
-    s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "max_seq_len": 12, "positions": positions,
-         "capacity_factor": capacity_factor}
+    s = validate_moe({**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "max_seq_len": 12,
+                      "positions": positions, "capacity_factor": capacity_factor})
     trunk = MoETransformerTrunk(5, s).eval()
     position = torch.tensor([3, length - 1, 7])
     tokens = torch.randint(0, 5, (3, length)).masked_fill(torch.arange(length)[None] >= position[:, None], -1)
@@ -455,7 +455,7 @@ def test_token_trunk_features_do_not_depend_on_the_rest_of_the_batch(positions, 
     for layer, rec in enumerate(records):
         assert torch.equal(rec.encoded_top_k(), torch.cat([recs[layer].encoded_top_k() for _, recs in rows]))
     if capacity_factor is not None:   # the limit bites: without it the features differ
-        trunk_dropless = MoETransformerTrunk(5, {**s, "capacity_factor": None}).eval()
+        trunk_dropless = MoETransformerTrunk(5, s.replace(capacity_factor=None)).eval()
         trunk_dropless.load_state_dict(trunk.state_dict())
         with torch.no_grad():
             assert not torch.allclose(trunk_dropless({"tokens": tokens, "position": position})[0], together, atol=1e-3)
@@ -468,8 +468,8 @@ def test_token_trunk_features_do_not_depend_on_the_rest_of_the_batch(positions, 
 def test_reinforce_router_records_survive_token_selection():
     from moe_rl.core.losses import reinforce_router_loss
     from moe_rl.core.policy import MoETransformerTrunk
-    from moe_rl.core.settings import MOE_DEFAULTS
-    s = {**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "router": "reinforce"}
+    from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
+    s = validate_moe({**MOE_DEFAULTS, "d_model": 16, "d_ff": 16, "num_experts": 4, "router": "reinforce"})
     trunk = MoETransformerTrunk(5, s)
     _, records = trunk({"tokens": torch.randint(0, 5, (6, 8)), "position": torch.randint(0, 8, (6,))})
     loss = sum(reinforce_router_loss(r, torch.randn(6)) for r in records)

@@ -46,10 +46,10 @@ class MoEAPPOConfig(MoEConfig, APPOConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.moe_settings["router"] == "reinforce":
+        if self.moe_settings.router == "reinforce":
             raise ConfigError("moe.router: reinforce needs PPO's advantages in the batch; with algo appo one of "
                               "topk, sinkhorn, bias, task")
-        if active(resolve_correction(self.consistency_settings.get("correction"))):
+        if active(resolve_correction(self.consistency_settings.correction)):
             raise ConfigError("consistency.correction: off with algo appo (V-trace already corrects for the "
                               "rollout policy)")
         if self.num_aggregator_actors_per_learner:

@@ -18,6 +18,7 @@ from moe_rl.core.sections import (
     WeightSyncSettings,
     builder_doc,
     defaults,
+    plain,
 )
 
 
@@ -34,7 +35,10 @@ class MoESections:
         *,
         num_experts: int = NotProvided,
         top_k: int = NotProvided,
+        mixture: str = NotProvided,
         router: str = NotProvided,
+        slots_per_expert: int = NotProvided,
+        tokens: str = NotProvided,
         num_layers: int = NotProvided,
         d_model: int = NotProvided,
         d_ff: int = NotProvided,
@@ -63,6 +67,7 @@ class MoESections:
         trainer_second_expert_sampling: bool = NotProvided,
         trainer_random_token_selection: bool = NotProvided,
         vf_hiddens: List[int] = NotProvided,
+        q_hiddens: List[int] = NotProvided,
         task_slice: Optional[List[int]] = NotProvided,
         encoder: str = NotProvided,
         max_seq_len: int = NotProvided,
@@ -153,7 +158,7 @@ class MoESections:
             raise ConfigError(f"{section}.{unknown[0]}: unknown key, allowed: {', '.join(sorted(defaults(fields)))}")
         # A new mapping (the section may be a validated, frozen one): checked again in validate().
         setattr(self, f"{section}_settings",
-                {**target, **{k: v for k, v in given.items() if k != "self" and v is not NotProvided}})
+                {**plain(target), **{k: v for k, v in given.items() if k != "self" and v is not NotProvided}})
         return self
 
 

@@ -83,7 +83,7 @@ class MoEAlgorithm:
             return
         steps = sum(len(ep) for ep in episodes)
         gate = self.gate
-        check = gate.checks and (self.check_due(gate.s["every"]) or gate.holding)
+        check = gate.checks and (self.check_due(gate.s.every) or gate.holding)
         if check:
             with self._timed("check_s", seconds):
                 gate.before_update(episodes, self.iteration)
@@ -100,7 +100,7 @@ class MoEAlgorithm:
                 if verdict["decision"] in ("hold", "rollback"):   # rollouts stay on the last good weights
                     return
             with self._timed("sync_s", seconds):
-                self._sync_rollout_weights(prepare_check=gate.checks and self.check_due(gate.s["every"], ahead=1))
+                self._sync_rollout_weights(prepare_check=gate.checks and self.check_due(gate.s.every, ahead=1))
         finally:
             seconds["env_steps_per_s"] = steps / max(sum(seconds.values()), 1e-9)
             for k, v in seconds.items():

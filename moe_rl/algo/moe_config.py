@@ -18,6 +18,7 @@ import moe_rl.envs  # noqa: F401  registers moe_rl/ gymnasium ids in every proce
 from moe_rl.actors.learner_group import DeepSpeedLearnerGroup
 from moe_rl.algo.config_builders import MoESections
 from moe_rl.core.gate import validate_consistency
+from moe_rl.core.sections import DeepSpeedSettings, plain
 from moe_rl.core.settings import (
     DEEPSPEED_DEFAULTS,
     MOE_DEFAULTS,
@@ -47,7 +48,12 @@ class MoEConfig(MoESections):
 
     @property
     def uses_deepspeed(self) -> bool:
-        return bool(resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)["enabled"])
+        """Whether the DeepSpeed expert-parallel group trains: resolved once by validate() (a config
+        not yet validated resolves it from its sections as they are)."""
+        ds = self.deepspeed_settings
+        if isinstance(ds, DeepSpeedSettings):
+            return bool(ds.enabled)
+        return bool(resolve_deepspeed(ds, plain(self.moe_settings).get("ep_size", 1), self.num_learners).enabled)
 
     def build_learner_group(self, *, env=None, spaces=None, rl_module_spec=None, placement_group=None):
         """RLlib's LearnerGroup (as MoELearnerGroup), or the DeepSpeed expert-parallel group: both
@@ -56,10 +62,13 @@ class MoEConfig(MoESections):
             rl_module_spec = self.get_multi_rl_module_spec(env=env, spaces=spaces)
         if not self.uses_deepspeed:
             return MoELearnerGroup(config=self.copy(), module_spec=rl_module_spec, placement_group=placement_group)
-        config = self.copy(copy_frozen=False)
-        config.deepspeed_settings = resolve_deepspeed(self.deepspeed_settings, self.moe_settings, self.num_learners)
-        config.freeze()
-        return DeepSpeedLearnerGroup(config=config, module_spec=rl_module_spec)
+        return DeepSpeedLearnerGroup(config=self.copy(), module_spec=rl_module_spec)
+
+    def build_learner(self, **kwargs):
+        """RLlib's, after the sections are checked and typed (as build_algo does): a learner reads
+        them as attributes."""
+        self.validate()
+        return super().build_learner(**kwargs)
 
     @property
     def _model_config_auto_includes(self) -> Dict[str, Any]:
@@ -71,12 +80,12 @@ class MoEConfig(MoESections):
     def validate(self) -> None:
         """Every section checked once, before any actor starts, and kept typed (frozen): the
         learners, the module, the gate and the actors get the checked sections with the config
-        and read them as they are (a typed section passes its validator unchecked)."""
-        super().validate()
+        and read them as they are (a typed section passes its validator unchecked). Ours first:
+        a user's MoE setting is named before RLlib's own checks run."""
         typed = {"moe_settings": validate_moe(self.moe_settings, num_learners=self.num_learners),
                  "stability_settings": validate_stability(self.stability_settings),
                  "consistency_settings": validate_consistency(self.consistency_settings)}
-        typed["deepspeed_settings"] = resolve_deepspeed(self.deepspeed_settings, typed["moe_settings"],
+        typed["deepspeed_settings"] = resolve_deepspeed(self.deepspeed_settings, typed["moe_settings"].ep_size,
                                                         self.num_learners)
         typed["weight_sync_settings"] = validate_weight_sync(   # evaluation: its own runners
             self.weight_sync_settings, uses_deepspeed=bool(typed["deepspeed_settings"].enabled),
@@ -84,3 +93,4 @@ class MoEConfig(MoESections):
         if not self._is_frozen:   # a frozen config was validated before it froze
             for name, section in typed.items():
                 setattr(self, name, section)
+        super().validate()

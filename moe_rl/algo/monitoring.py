@@ -33,9 +33,9 @@ class MoEMonitoring(RLlibCallback):
         super().__init__()
         config = algorithm.config
         stability = validate_stability(config.stability_settings)
-        self.anomaly = AnomalyDetector(stability, config.moe_settings["num_experts"], config.moe_settings["top_k"]) \
-            if stability["anomaly_detection"] else None
-        self.prometheus = PrometheusExporter(run=run, num_experts=config.moe_settings["num_experts"])
+        self.anomaly = AnomalyDetector(stability, config.moe_settings.num_experts, config.moe_settings.top_k) \
+            if stability.anomaly_detection else None
+        self.prometheus = PrometheusExporter(run=run, num_experts=config.moe_settings.num_experts)
         self.alerts_total = 0
         self._ledger_seen = 0
         self._returns: List[Dict[str, Any]] = []   # (episodes, mean return) per iteration: the rolling mean

@@ -118,7 +118,7 @@ def describe(demand: Demand, view) -> str:
 
 def suggestion(config, missing: Bundle, total: Bundle) -> str:
     """The smallest change that fits, for the resource that is short."""
-    n, ep = config.num_learners, config.moe_settings.get("ep_size", 1)
+    n, ep = config.num_learners, config.moe_settings.ep_size
     hints = []
     if missing.get("CPU"):
         cpu_per = learner_bundles(config)[0].get("CPU", 0) if n else 0
@@ -286,16 +286,16 @@ def model_memory(config) -> Dict[str, float]:
     copies      one inference copy per env runner, plus the driver's probe copy
     activations minibatch x num_layers x (top_k d_ff + 4 d_model), kept for backward
     """
-    m = config.moe_settings
-    n, d, f, layers = m.get("num_experts", 8), m.get("d_model", 64), m.get("d_ff", 64), m.get("num_layers", 2)
+    m = config.moe_settings   # validated: typed
+    n, d, f, layers = m.num_experts, m.d_model, m.d_ff, m.num_layers
     per_layer_experts = n * (2 * d * f + f + d)
     params = layers * (per_layer_experts + d * n)
     learners = max(1, config.num_learners)
-    ep = max(1, m.get("ep_size", 1))
+    ep = max(1, m.ep_size)
     learner_bytes = learners * 4 * FP32 * (params - layers * per_layer_experts * (1 - 1 / ep))
     copies = (config.num_env_runners + 1) * FP32 * params
     minibatch = config.minibatch_size or config.train_batch_size_per_learner
-    activations = learners * minibatch * layers * (m.get("top_k", 2) * f + 4 * d) * FP32
+    activations = learners * minibatch * layers * (m.top_k * f + 4 * d) * FP32
     return {"params": float(params), "bytes": float(learner_bytes + copies + activations)}
 
 
@@ -312,6 +312,5 @@ def check_memory(config, have_bytes: float, where: str) -> Dict[str, float]:
         raise ConfigError(f"moe: the model cannot fit: {est['params']:.3g} parameters need at least "
                          f"{gib(est['bytes'])} (weights, gradients and Adam moments on each learner, a copy per "
                          f"env runner, activations), {where} has {gib(have_bytes)} (num_experts "
-                         f"{m.get('num_experts')}, d_model {m.get('d_model')}, d_ff {m.get('d_ff')}, num_layers "
-                         f"{m.get('num_layers')})")
+                         f"{m.num_experts}, d_model {m.d_model}, d_ff {m.d_ff}, num_layers {m.num_layers})")
     return est

@@ -34,11 +34,11 @@ def validate_wandb(section: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]
 
 
 class WandbLogger:
-    def __init__(self, section: Dict[str, Any], run_config: Dict[str, Any], run_dir: str, name: str):
+    def __init__(self, options: Dict[str, Any], run_config: Dict[str, Any], run_dir: str, name: str):
         import wandb
-        self.run = wandb.init(project=section.get("project", "moe-rl"), entity=section.get("entity"),
-                              group=section.get("group"), tags=section.get("tags"),
-                              mode=section.get("mode", "online"), name=section.get("name", name),
+        self.run = wandb.init(project=options.get("project", "moe-rl"), entity=options.get("entity"),
+                              group=options.get("group"), tags=options.get("tags"),
+                              mode=options.get("mode", "online"), name=options.get("name", name),
                               dir=run_dir, config=run_config, reinit="finish_previous")
 
     def log(self, row: Dict[str, Any], alerts=()) -> None:

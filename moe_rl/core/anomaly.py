@@ -120,8 +120,8 @@ class AnomalyDetector:
                 self._check_change(key, direction, floor, float(v), alert)
         s = self.s
         self._seen += 1
-        lo, hi = s["entropy_band"]
-        gl, gh = s["grad_norm_band"]
+        lo, hi = s.entropy_band
+        gl, gh = s.grad_norm_band
         grad = row.get("stability/grad_norm/total")
         median = statistics.median(list(self._grad_norms)) if self._grad_norms else None
         skipped = row.get("stability/skipped_steps")
@@ -133,10 +133,10 @@ class AnomalyDetector:
                 f"outside [{gl}, {gh}] x this run's median {median or 0:.3g}", "breach"),
             "stability/skipped_steps": (lambda v: v > self._last_skipped, "non-finite gradients: steps skipped",
                                         "breach"),
-            "drift/probe_flip_rate": (lambda v: v > s["flip_rate_max"], f"above {s['flip_rate_max']}",
+            "drift/probe_flip_rate": (lambda v: v > s.flip_rate_max, f"above {s.flip_rate_max}",
                                       "oscillation"),
         }
-        judged = self._seen > s["health_warmup"]
+        judged = self._seen > s.health_warmup
         for key, (bad, what, kind) in breaches.items():
             v = row.get(key)
             if not _finite(v):

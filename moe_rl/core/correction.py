@@ -22,12 +22,13 @@ the PPO ratio against the rollout's log-probs already corrects, token-level RS o
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
 from moe_rl.core.errors import ConfigError, need
 from moe_rl.core.routing import layer_disagreement
+from moe_rl.core.sections import CorrectionSettings, defaults
 
 SAFETY = 20.0   # log-ratio clamp before exp: weights stay finite whatever the mismatch
 WIDE = 1e4       # |log| of any positive float64 is below 745
@@ -36,20 +37,7 @@ RS_LEVELS = (None, "token", "sequence", "geometric")
 ROUTING_RS = ("off", "any", "share")
 MODES = ("decoupled", "bypass")
 
-CORRECTION_DEFAULTS: Dict[str, Any] = {
-    "preset": "off",
-    "mode": "decoupled",
-    "is_level": None,            # token | sequence | null
-    "is_threshold": 2.0,         # truncation C of the IS weights
-    "is_batch_normalize": False,
-    "rs_level": None,            # token | sequence | geometric | null
-    "rs_threshold": 2.0,         # upper U
-    "rs_threshold_lower": None,  # lower L (null: 1 / U)
-    "veto_threshold": None,      # V: a token ratio below it rejects its whole sequence (e.g. 1e-4)
-    "routing_rs": "off",         # off | any | share: reject by routing disagreement
-    "routing_rs_share": 0.5,     # `share`: reject when more than this share of layers disagree
-    "routing_rs_sequence": False,  # reject the whole sequence of a disagreeing token
-}
+CORRECTION_DEFAULTS: Dict[str, Any] = defaults(CorrectionSettings)   # each key: moe_rl.core.sections
 PRESETS: Dict[str, Dict[str, Any]] = {
     "off": {},
     "token_is": {"is_level": "token", "is_threshold": 2.0},                     # TIS
@@ -63,8 +51,11 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def resolve_correction(d: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """consistency.correction with its preset applied under the explicit keys, validated."""
+def resolve_correction(d: Union[CorrectionSettings, Dict[str, Any], None]) -> CorrectionSettings:
+    """consistency.correction with its preset applied under the explicit keys, validated and typed
+    (a typed one was checked when it was made)."""
+    if isinstance(d, CorrectionSettings):
+        return d
     d = dict(d or {})
     unknown = sorted(set(d) - set(CORRECTION_DEFAULTS))
     if unknown:
@@ -112,11 +103,11 @@ def resolve_correction(d: Optional[Dict[str, Any]]) -> Dict[str, Any]:
              "already reweights)", s["is_level"])
         need(s["rs_level"] in (None, "token") and s["veto_threshold"] is None and not s["routing_rs_sequence"],
              f + "mode", "decoupled for sequence-level rejection and the veto (bypass sees minibatches)", "bypass")
-    return s
+    return CorrectionSettings(**s)
 
 
-def active(s: Dict[str, Any]) -> bool:
-    return bool(s["is_level"] or s["rs_level"] or s["veto_threshold"] or s["routing_rs"] != "off")
+def active(s: CorrectionSettings) -> bool:
+    return bool(s.is_level or s.rs_level or s.veto_threshold or s.routing_rs != "off")
 
 
 def sequence_ids(mask: torch.Tensor) -> torch.Tensor:
@@ -130,7 +121,7 @@ def _per_sequence_sum(x: torch.Tensor, seq: torch.Tensor, n: int) -> torch.Tenso
     return torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, seq, x)
 
 
-def correct(log_ratio: torch.Tensor, valid: torch.Tensor, seq: torch.Tensor, s: Dict[str, Any],
+def correct(log_ratio: torch.Tensor, valid: torch.Tensor, seq: torch.Tensor, s: CorrectionSettings,
             routing_disagrees: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float]]:
     """log_ratio [N] = log pi_old - log pi_rollout of the taken actions; valid [N] bool (rows that
     count); seq [N] sequence ids; routing_disagrees [N] bool (for routing RS).
@@ -148,38 +139,38 @@ def correct(log_ratio: torch.Tensor, valid: torch.Tensor, seq: torch.Tensor, s: 
     metrics: Dict[str, float] = {}
 
     weights = torch.ones_like(lr)
-    if s["is_level"]:
+    if s.is_level:
         seq_ratio = seq_sum.clamp(-SAFETY, SAFETY).exp()
-        raw_w = lr.exp() if s["is_level"] == "token" else seq_ratio[seq]
-        weights = raw_w.clamp(max=s["is_threshold"])
-        metrics["correction/is_truncated_fraction"] = _mean((raw_w > s["is_threshold"]).double(), valid)
-    if s["rs_level"]:
-        upper = s["rs_threshold"]
-        lower = s["rs_threshold_lower"] if s["rs_threshold_lower"] is not None else 1.0 / upper
-        if s["rs_level"] == "token":
+        raw_w = lr.exp() if s.is_level == "token" else seq_ratio[seq]
+        weights = raw_w.clamp(max=s.is_threshold)
+        metrics["correction/is_truncated_fraction"] = _mean((raw_w > s.is_threshold).double(), valid)
+    if s.rs_level:
+        upper = s.rs_threshold
+        lower = s.rs_threshold_lower if s.rs_threshold_lower is not None else 1.0 / upper
+        if s.rs_level == "token":
             stat = raw
-        elif s["rs_level"] == "sequence":
+        elif s.rs_level == "sequence":
             stat = seq_sum[seq]
         else:
             stat = (seq_sum / seq_len)[seq]
         ok = (stat >= math.log(lower)) & (stat <= math.log(upper))
         metrics["correction/rs_rejected_fraction"] = _mean((~ok).double(), valid)
         keep &= ok
-    if s["veto_threshold"]:
-        catastrophic = valid & (raw < math.log(s["veto_threshold"]))
+    if s.veto_threshold:
+        catastrophic = valid & (raw < math.log(s.veto_threshold))
         vetoed = _per_sequence_sum(catastrophic.double(), seq, n_seq) > 0
         metrics["correction/veto_fraction"] = float(vetoed.double().mean()) if n_seq else 0.0
         keep &= ~vetoed[seq]
-    if s["routing_rs"] != "off" and routing_disagrees is not None:
+    if s.routing_rs != "off" and routing_disagrees is not None:
         bad = routing_disagrees.bool() & valid
-        if s["routing_rs_sequence"]:
+        if s.routing_rs_sequence:
             bad = (_per_sequence_sum(bad.double(), seq, n_seq) > 0)[seq]
         metrics["correction/routing_rejected_fraction"] = _mean(bad.double(), valid)
         keep &= ~bad
-    if s["is_batch_normalize"] and s["is_level"] and bool(keep.any()):
-        if s["is_level"] == "sequence":   # as verl: the mean over the kept sequences, each counted once
+    if s.is_batch_normalize and s.is_level and bool(keep.any()):
+        if s.is_level == "sequence":   # as verl: the mean over the kept sequences, each counted once
             kept_seqs = _per_sequence_sum(keep.double(), seq, n_seq) > 0
-            weights = weights / seq_ratio[kept_seqs].clamp(max=s["is_threshold"]).mean()
+            weights = weights / seq_ratio[kept_seqs].clamp(max=s.is_threshold).mean()
         else:
             weights = weights / weights[keep].mean()
     metrics.update(offpolicy_metrics(lr, weights, keep, valid, n_seq, seq))

@@ -30,7 +30,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from moe_rl.core.correction import resolve_correction
 from moe_rl.core.errors import ConfigError, need
-from moe_rl.core.sections import ConsistencySettings, defaults
+from moe_rl.core.sections import ConsistencySettings, CorrectionSettings, defaults
 
 POLICIES = ("warn", "hold", "rollback")
 DECISIONS = ("sync", "warn", "hold", "rollback", "stop")
@@ -103,7 +103,8 @@ def validate_consistency(c: Mapping[str, Any]) -> ConsistencySettings:
     bins = c["position_bins"]
     need(isinstance(bins, (list, tuple)) and bins and all(whole(b, 1) for b in bins) and list(bins) == sorted(bins),
          "consistency.position_bins", "an ascending list of ints >= 1", bins)
-    need(isinstance(c["correction"], dict), "consistency.correction", "a mapping", c["correction"])
+    need(isinstance(c["correction"], (dict, CorrectionSettings)), "consistency.correction", "a mapping",
+         c["correction"])
     c["correction"] = resolve_correction(c["correction"])
     return ConsistencySettings(**c)
 

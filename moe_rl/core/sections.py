@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import textwrap
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Union
 
@@ -36,25 +35,25 @@ def defaults(section) -> Dict[str, Any]:
     return dataclasses.asdict(section())
 
 
-class Section(Mapping):
-    """A section's settings once validated (its validator returns one): frozen, read as attributes
-    (`s.top_k`) or, by the core's functions that take a plain mapping, as one (`s["top_k"]`,
-    `{**s, ...}`). A typed section passes through its validator without being checked again."""
+class Section:
+    """A section's settings once validated (its validator returns one): frozen and read as
+    attributes (`s.top_k`), nowhere by string key (tests/test_settings_reads.py). A typed section
+    passes through its validator without being checked again."""
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self.__dataclass_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self):
-        return iter(self.__dataclass_fields__)
-
-    def __len__(self) -> int:
-        return len(self.__dataclass_fields__)
+        raise TypeError(f"{type(self).__name__} is read as attributes: .{key}, not [{key!r}]")
 
     def to_dict(self) -> Dict[str, Any]:
         """A plain (deep) copy: what config.yaml and the checkpoint manifest hold."""
         return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "Section":
+        return dataclasses.replace(self, **changes)
+
+
+def plain(section) -> Dict[str, Any]:
+    """A section as a plain mapping (a builder's or a YAML file's dict, or a typed section)."""
+    return section.to_dict() if isinstance(section, Section) else dict(section or {})
 
 
 def builder_doc(summary: str, section) -> str:
@@ -67,13 +66,25 @@ def builder_doc(summary: str, section) -> str:
     return "\n".join(lines)
 
 
-@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+@dataclass(frozen=True)
 class MoESettings(Section):
     """The MoE policy."""
 
     num_experts: int = setting(8, "N experts per MoE layer.")
     top_k: int = setting(2, "experts per token.")
-    router: str = setting('topk', "topk | sinkhorn | bias | task | reinforce.")
+    mixture: str = setting(
+        'sparse',
+        "sparse | soft | dense: what each MoE block is. sparse: each token to its router's top-k "
+        "experts; soft: Soft MoE (every token softly dispatched to every expert's slots and softly "
+        "combined back, moe_rl.core.soft_moe); dense: one feed-forward layer of the sparse block's "
+        "active width (top_k x d_ff), the peer of equal active parameters in the same loop.")
+    router: str = setting('topk', "mixture sparse: topk | sinkhorn | bias | task | reinforce.")
+    slots_per_expert: int = setting(1, "mixture soft: slots each expert processes per observation (p).")
+    tokens: str = setting(
+        'auto',
+        "auto | one | positions: the tokens the MoE blocks see. positions: an image's conv feature map, "
+        "one token per position, mean-pooled after the blocks; one: the observation's features as one "
+        "token. auto: positions for an image observation under mixture soft, else one.")
     num_layers: int = setting(2, "MoE blocks in the policy trunk.")
     d_model: int = setting(64, "trunk width.")
     d_ff: int = setting(64, "expert hidden width.")
@@ -128,6 +139,10 @@ class MoESettings(Section):
     trainer_second_expert_sampling: bool = setting(False, "DeepSpeed learner only: Gumbel-sample the 2nd expert.")
     trainer_random_token_selection: bool = setting(False, "DeepSpeed learner only: random survivors at capacity.")
     vf_hiddens: List[int] = setting([64, 64], "value network widths (kept outside the MoE).")
+    q_hiddens: List[int] = setting(
+        [256],
+        "Q-networks (algo dqn): hidden widths of the advantage and value heads on the MoE trunk "
+        "(RLlib's tuned CartPole DQN: [256]).")
     task_slice: Optional[List[int]] = setting(
         None,
         "[start, num_tasks]: a one-hot task id inside vector observations, or inside a Dict "
@@ -148,7 +163,7 @@ class MoESettings(Section):
     num_heads: int = setting(4, "token-sequence policies: attention heads.")
 
 
-@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+@dataclass(frozen=True)
 class DeepSpeedSettings(Section):
     """The DeepSpeed expert-parallel learner group."""
 
@@ -162,7 +177,7 @@ class DeepSpeedSettings(Section):
         "the learners' placement group: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD.")
 
 
-@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+@dataclass(frozen=True)
 class WeightSyncSettings(Section):
     """How the learners' weights reach the rollout actors."""
 
@@ -179,7 +194,7 @@ class WeightSyncSettings(Section):
         "the groups are formed afresh at the next sync.")
 
 
-@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+@dataclass(frozen=True)
 class StabilitySettings(Section):
     """The stability toolkit."""
 
@@ -221,7 +236,28 @@ class StabilitySettings(Section):
     rss_growth_mb: float = setting(512.0, "an actor's RSS growing more than this over the window is an alert.")
 
 
-@dataclass(frozen=True, eq=False)   # eq: a Mapping's (equal to the same dict)
+@dataclass(frozen=True)
+class CorrectionSettings(Section):
+    """The rollout correction (moe_rl.core.correction): importance weights and rejection for
+    training-inference mismatch. A preset fills the keys a user leaves out."""
+
+    preset: str = setting('off', "off | token_is | seq_is | token_is_rs | geo_rs | geo_rs_veto | token_is_veto | "
+                                 "routing_rs | bypass_rs.")
+    mode: str = setting('decoupled', "decoupled | bypass.")
+    is_level: Optional[str] = setting(None, "token | sequence | null: importance weights.")
+    is_threshold: float = setting(2.0, "truncation C of the IS weights.")
+    is_batch_normalize: bool = setting(False, "rescale the kept IS weights to mean 1.")
+    rs_level: Optional[str] = setting(None, "token | sequence | geometric | null: rejection.")
+    rs_threshold: float = setting(2.0, "upper bound U of the kept ratio.")
+    rs_threshold_lower: Optional[float] = setting(None, "lower bound L (null: 1 / U).")
+    veto_threshold: Optional[float] = setting(
+        None, "a token ratio below it rejects its whole sequence (e.g. 1e-4).")
+    routing_rs: str = setting('off', "off | any | share: reject by routing disagreement.")
+    routing_rs_share: float = setting(0.5, "share: reject when more than this share of layers disagree.")
+    routing_rs_sequence: bool = setting(False, "reject the whole sequence of a disagreeing token.")
+
+
+@dataclass(frozen=True)
 class ConsistencySettings(Section):
     """Drift checks and the sync gate."""
 

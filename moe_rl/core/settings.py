@@ -15,7 +15,7 @@ from moe_rl.core.errors import ConfigError
 from moe_rl.core.errors import need as _need
 from moe_rl.core.experts import ACTIVATIONS, DISPATCH_PATHS
 from moe_rl.core.routers import ROUTER_INITS, ROUTERS, router_options
-from moe_rl.core.sections import DeepSpeedSettings, MoESettings, WeightSyncSettings, defaults
+from moe_rl.core.sections import DeepSpeedSettings, MoESettings, WeightSyncSettings, defaults, plain
 
 INFERENCE_DTYPES = ("fp32", "bf16")
 POLICY_HEADS = ("linear", "dual")
@@ -121,27 +121,61 @@ def _checked_moe(s: Mapping[str, Any]) -> MoESettings:
           "true or auto with router 'reinforce' or a capacity_factor (mismatched replays too little there)", rr)
     _need(s["normalize_gates"] == "auto" or isinstance(s["normalize_gates"], bool), "moe.normalize_gates",
           "auto, true or false", s["normalize_gates"])
-    vf = s["vf_hiddens"]
-    _need(isinstance(vf, (list, tuple)) and all(_is_int(h) and h >= 1 for h in vf), "moe.vf_hiddens",
-          "a list of ints >= 1", vf)
+    for f in ("vf_hiddens", "q_hiddens"):
+        _need(isinstance(s[f], (list, tuple)) and all(_is_int(h) and h >= 1 for h in s[f]), f"moe.{f}",
+              "a list of ints >= 1", s[f])
+    _check_mixture(s)
     return MoESettings(**s)
 
 
-def resolve_gate_normalization(s: Dict[str, Any], full_replay: bool) -> bool:
+MIXTURES = ("sparse", "soft", "dense")
+TOKENS = ("auto", "one", "positions")
+
+
+def _check_mixture(s: Mapping[str, Any]) -> None:
+    """What each mixture takes. A sparse router's settings under soft or dense would be silently
+    ignored: each is refused by name instead."""
+    mixture = s["mixture"]
+    _need(mixture in MIXTURES, "moe.mixture", f"one of {MIXTURES}", mixture)
+    _need(_is_int(s["slots_per_expert"]) and s["slots_per_expert"] >= 1, "moe.slots_per_expert", "an int >= 1",
+          s["slots_per_expert"])
+    _need(s["tokens"] in TOKENS, "moe.tokens", f"one of {TOKENS}", s["tokens"])
+    _need(s["tokens"] != "positions" or mixture != "sparse", "moe.tokens",
+          "one or auto with mixture sparse (a sparse layer records one top-k per observation; tokens per "
+          "position need mixture soft or dense)", s["tokens"])
+    if mixture == "sparse":
+        return
+    why = f"(mixture {mixture} routes no token to a top-k)"
+    _need(s["router"] == "topk", "moe.router", f"topk (the default) under mixture {mixture}: the sparse "
+          f"routers pick top-k experts {why}", s["router"])
+    _need(s["routing_replay"] in ("auto", False), "moe.routing_replay", f"auto or false under mixture {mixture}: "
+          f"there is no top-k to replay (Soft MoE routes every token to every expert's slots) {why}",
+          s["routing_replay"])
+    _need(s["capacity_factor"] is None, "moe.capacity_factor", f"null under mixture {mixture}: nothing is dropped",
+          s["capacity_factor"])
+    _need(s["expert_dropout"] == 0, "moe.expert_dropout", f"0 under mixture {mixture} {why}", s["expert_dropout"])
+    _need(s["ep_size"] == 1, "moe.ep_size", f"1 under mixture {mixture}: the DeepSpeed expert-parallel group "
+          "shards top-k experts (docs/moe_layer.md, Soft MoE)", s["ep_size"])
+    _need(not s["shared_expert"], "moe.shared_expert", f"false under mixture {mixture}", s["shared_expert"])
+    _need(not s["router_kwargs"], "moe.router_kwargs", f"empty under mixture {mixture} {why}", s["router_kwargs"])
+
+
+def resolve_gate_normalization(s: MoESettings, full_replay: bool) -> bool:
     """moe.normalize_gates resolved. Under full replay the router's own choice drifts away from the
     replayed experts over a long update; with renormalised gates the PPO loss cannot move the
     router's mass onto them (only between them), with raw probabilities it can (BENCHMARKS.md,
     routing replay)."""
-    return (not full_replay) if s["normalize_gates"] == "auto" else s["normalize_gates"]
+    return (not full_replay) if s.normalize_gates == "auto" else s.normalize_gates
 
 
 DEEPSPEED_DEFAULTS: Dict[str, Any] = defaults(DeepSpeedSettings)
 
 
-def resolve_deepspeed(d: Mapping[str, Any], moe: Mapping[str, Any], num_learners: int) -> DeepSpeedSettings:
+def resolve_deepspeed(d: Mapping[str, Any], ep_size: int, num_learners: int) -> DeepSpeedSettings:
     """Validate `deepspeed.*` and resolve `enabled` and a JSON config path (typed). Field names:
-    deepspeed.* (a resolved section is checked again: `enabled` depends on the moe section and the
+    deepspeed.* (a resolved section is checked again: `enabled` depends on moe.ep_size and the
     learner layout)."""
+    d = plain(d)
     unknown = sorted(set(d) - set(DEEPSPEED_DEFAULTS))
     _need(not unknown, f"deepspeed.{unknown[0] if unknown else ''}", f"one of {sorted(DEEPSPEED_DEFAULTS)}",
           unknown[0] if unknown else None)
@@ -165,10 +199,10 @@ def resolve_deepspeed(d: Mapping[str, Any], moe: Mapping[str, Any], num_learners
     enabled = d["enabled"]
     _need(enabled is None or isinstance(enabled, bool), "deepspeed.enabled", "true, false or null", enabled)
     if enabled is None:
-        enabled = moe["ep_size"] > 1 or bool(cfg)
+        enabled = ep_size > 1 or bool(cfg)
     _need(not enabled or num_learners >= 1, "learners.num_learners",
           "an int >= 1 when the DeepSpeed learner group is used", num_learners)
-    _need(not (moe["ep_size"] > 1 and not enabled), "deepspeed.enabled", "true (or null) when moe.ep_size > 1",
+    _need(not (ep_size > 1 and not enabled), "deepspeed.enabled", "true (or null) when moe.ep_size > 1",
           enabled)
     d["enabled"] = enabled
     _need(_is_int(d["num_threads"]) and d["num_threads"] >= 1, "deepspeed.num_threads", "an int >= 1",
@@ -194,10 +228,10 @@ def validate_weight_sync(d: Mapping[str, Any], *, uses_deepspeed: Optional[bool]
     if s.transport == "collective":
         _need(uses_deepspeed is not False, "weight_sync.transport",
               "object_store without the DeepSpeed learner group (collective needs remote learners: "
-              "deepspeed.enabled=true)", s["transport"])
+              "deepspeed.enabled=true)", s.transport)
         _need(num_env_runners is None or num_env_runners >= 1, "weight_sync.transport",
               "object_store with env_runners.num_env_runners=0 (collective needs remote rollout actors)",
-              s["transport"])
+              s.transport)
     return s
 
 

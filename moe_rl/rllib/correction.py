@@ -35,7 +35,7 @@ ROLLOUT_LOGP = "moe_rl_rollout_logp"
 
 def routing_flags(settings, batch, records):
     """[N] bool: the trainer's own routing disagrees with the rollout's (None when routing RS is off)."""
-    if settings["routing_rs"] == "off" or MOE_TOPK not in batch or not records:
+    if settings.routing_rs == "off" or MOE_TOPK not in batch or not records:
         return None
     # A sampling router (REINFORCE) draws its experts at rollout and the learner replays the draw;
     # how likely the draw still is enters the log-ratio already. Its greedy choice would differ
@@ -44,7 +44,7 @@ def routing_flags(settings, batch, records):
     if not layers:
         return None
     own = torch.stack([records[i].router_top_k for i in layers], 1)
-    return routing_disagreement(batch[MOE_TOPK][:, layers], own, settings["routing_rs"], settings["routing_rs_share"])
+    return routing_disagreement(batch[MOE_TOPK][:, layers], own, settings.routing_rs, settings.routing_rs_share)
 
 
 class RolloutCorrection(ConnectorV2):

@@ -23,7 +23,8 @@ from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.experts import tanh
 from moe_rl.core.layer import dense_ffn_equal_active
 from moe_rl.core.policy import mlp, policy_head
-from moe_rl.core.settings import MOE_DEFAULTS
+from moe_rl.core.sections import plain
+from moe_rl.core.settings import MOE_DEFAULTS, validate_moe
 
 
 class DenseBlock(nn.Module):
@@ -31,8 +32,8 @@ class DenseBlock(nn.Module):
 
     def __init__(self, s: Dict[str, Any]):
         super().__init__()
-        self.norm = nn.LayerNorm(s["d_model"])
-        self.ffn = dense_ffn_equal_active(s["d_model"], s["d_ff"], s["top_k"], s["activation"])
+        self.norm = nn.LayerNorm(s.d_model)
+        self.ffn = dense_ffn_equal_active(s.d_model, s.d_ff, s.top_k, s.activation)
 
     def forward(self, h):
         return h + self.ffn(self.norm(h))
@@ -40,13 +41,13 @@ class DenseBlock(nn.Module):
 
 class DensePeerModule(TorchRLModule, ValueFunctionAPI):
     def setup(self):
-        s = {**MOE_DEFAULTS, **self.model_config.get("moe", {})}
-        self.encoder = ObservationEncoder(self.observation_space, s["encoder"])
-        self.embed = nn.Linear(self.encoder.out_dim, s["d_model"])
-        self.blocks = nn.Sequential(*(DenseBlock(s) for _ in range(s["num_layers"])))
-        self.pi = policy_head(s["policy_head"], s["d_model"], int(self.action_space.n))
-        self.vf_encoder = ObservationEncoder(self.observation_space, s["encoder"])
-        self.vf = mlp([self.vf_encoder.out_dim, *s["vf_hiddens"]], 1)
+        s = validate_moe({**MOE_DEFAULTS, **plain(self.model_config.get("moe"))})
+        self.encoder = ObservationEncoder(self.observation_space, s.encoder)
+        self.embed = nn.Linear(self.encoder.out_dim, s.d_model)
+        self.blocks = nn.Sequential(*(DenseBlock(s) for _ in range(s.num_layers)))
+        self.pi = policy_head(s.policy_head, s.d_model, int(self.action_space.n))
+        self.vf_encoder = ObservationEncoder(self.observation_space, s.encoder)
+        self.vf = mlp([self.vf_encoder.out_dim, *s.vf_hiddens], 1)
 
     @staticmethod
     def _floats(obs):

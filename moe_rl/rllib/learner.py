@@ -13,7 +13,7 @@ from moe_rl.rllib.moe_learner import MoELearner
 class MoEPPOTorchLearner(MoELearner, PPOTorchLearner):
     def build(self) -> None:
         super().build()
-        if active(self.correction) and self.correction["mode"] == "decoupled" and self._learner_connector is not None:
+        if active(self.correction) and self.correction.mode == "decoupled" and self._learner_connector is not None:
             # After PPO's GAE (appended by PPO's build): reweights advantages, re-bases the ratio on
             # the learner's own old policy, masks rejected steps.
             self._learner_connector.append(RolloutCorrection(settings=self.correction))

@@ -78,7 +78,7 @@ class MoELearner(WeightPublisher):
                 isinstance(m, MoEPolicyModule) and m.replay_mode == "mismatched"
                 for m in map(self.plain_module, self.module.keys())):
             self._learner_connector.append(MismatchedReplay())   # before the correction's forward
-        self.correction = resolve_correction(self.config.consistency_settings.get("correction"))
+        self.correction = resolve_correction(self.config.consistency_settings.correction)
 
     # --- optimizer and the stability toolkit -----------------------------------------------------
     def make_toolkit(self, module_id) -> StabilityToolkit:
@@ -116,7 +116,7 @@ class MoELearner(WeightPublisher):
 
     def _set_expert_dropout(self, module_id) -> None:
         toolkit = self._stability[module_id]
-        p = expert_dropout_at(toolkit.s["expert_dropout_schedule"], toolkit.step_count)
+        p = expert_dropout_at(toolkit.s.expert_dropout_schedule, toolkit.step_count)
         if p is not None:
             set_expert_dropout(self._module[module_id], p)
             toolkit.last_stats["stability/expert_dropout"] = p
@@ -167,7 +167,7 @@ class MoELearner(WeightPublisher):
         for module_id in self._stability:   # before PPO's KL-coefficient update reads them
             if active(self.correction):
                 self._loss_stats.setdefault(module_id, {}).update(self.skipped_steps.end_update(
-                    module_id, warn=not self.config.consistency_settings.get("enabled", True)))
+                    module_id, warn=not self.config.consistency_settings.enabled))
         # RLlib moves its lr schedule on and sets it on every param group (its metric
         # `default_optimizer_learning_rate` is that value); each group gets its own LR back for the next step.
         super().after_gradient_based_update(timesteps=timesteps)
@@ -231,12 +231,12 @@ class MoELearner(WeightPublisher):
     def _balance_for(self, module_id, num_layers: int) -> AdaptiveBalance:
         if module_id not in self._balance:
             s = self.plain_module(module_id).moe_settings
-            self._balance[module_id] = AdaptiveBalance(s["aux_loss_coef"], num_layers, s["num_experts"])
+            self._balance[module_id] = AdaptiveBalance(s.aux_loss_coef, num_layers, s.num_experts)
         return self._balance[module_id]
 
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         records = fwd_out.get(MOE_ROUTING)
-        if records and self.correction["mode"] == "bypass" and active(self.correction):
+        if records and self.correction.mode == "bypass" and active(self.correction):
             self._bypass_rejection(module_id, batch, fwd_out, records)
         total = super().compute_loss_for_module(module_id=module_id, config=config, batch=batch,
                                                 fwd_out=fwd_out)
@@ -247,9 +247,9 @@ class MoELearner(WeightPublisher):
             return total
         module = self.plain_module(module_id)
         s = module.moe_settings   # a module's own (multi-agent overrides)
-        aux_coef = (self._balance_for(module_id, len(records)).coef if s["balance"] == "adaptive"
-                    else s["aux_loss_coef"])
-        extra, aux, z = moe_aux_losses(records, aux_coef, s["z_loss_coef"])
+        aux_coef = (self._balance_for(module_id, len(records)).coef if s.balance == "adaptive"
+                    else s.aux_loss_coef)
+        extra, aux, z = moe_aux_losses(records, aux_coef, s.z_loss_coef)
         # The values of the last minibatch, like RLlib's own PPO loss stats (window=1). The health
         # metrics (dozens of keys) are computed once per update: the load from every minibatch's
         # assignments (summed here), the rest from the last minibatch's routing.
@@ -259,15 +259,15 @@ class MoELearner(WeightPublisher):
         sums = self._update_counts.get(module_id)
         self._update_counts[module_id] = counts if sums is None else [a + b for a, b in zip(sums, counts)]
         stats = {"aux_loss": aux.detach(), "z_loss": z.detach(), "aux_loss_coef": aux_coef}
-        if s["replay_anchor_coef"] > 0 and module.replay_mode == "full":
+        if s.replay_anchor_coef > 0 and module.replay_mode == "full":
             anchor = replay_anchor_loss(records)
-            extra = extra + s["replay_anchor_coef"] * anchor
+            extra = extra + s.replay_anchor_coef * anchor
             stats["replay_anchor_loss"] = anchor.detach()
         reinforce = [r for r in records if r.selection_logp is not None]
         if reinforce and Postprocessing.ADVANTAGES in batch:   # REINFORCE router: the advantage is the reward
             mask = batch.get(Columns.LOSS_MASK)   # rejected and phantom steps train no router either
             rl = sum(reinforce_router_loss(r, batch[Postprocessing.ADVANTAGES], mask) for r in reinforce)
-            extra = extra + s["reinforce_loss_coef"] * rl
+            extra = extra + s.reinforce_loss_coef * rl
             stats["reinforce_router_loss"] = rl.detach()
         # Logged once per update (after_gradient_based_update), like the health metrics: the
         # metrics logger costs about 0.1 ms a call, per minibatch.

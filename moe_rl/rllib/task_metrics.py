@@ -71,4 +71,4 @@ class TaskEpisodeMetrics(RLlibCallback):
 def _num_experts(rl_module):
     """The MoE module's expert count (None for a dense module, or a multi-agent dict of modules)."""
     settings = getattr(rl_module, "moe_settings", None)
-    return settings["num_experts"] if settings else None
+    return settings.num_experts if settings else None
