@@ -96,6 +96,7 @@ class RoutedGate(nn.Module):
 
 
 class ExpertFFN(nn.Module):
+    PARAM_ROLE = "experts"   # moe_rl.core.param_groups
     """One expert as DeepSpeed's MoE layer wants it (a module it deep-copies per local expert), in
     the canonical per-expert layout: fc2(act(fc1(x)))."""
 

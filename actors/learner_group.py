@@ -40,6 +40,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_rl.core.sharding import assemble_modules, stack_experts, unstack_experts
+from moe_rl.rllib import ray_private
 from moe_rl.rllib.learner_group import KEPT, LearnerGroupOps, learner_bundles
 
 from .learner import LearnerActor
@@ -192,7 +193,7 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
     def dead_learners(self, error: Optional[BaseException] = None, timeout_s: float = 10.0) -> List[int]:
         """Ranks of learners whose actor is gone: the one named by a RayActorError, else those
         that fail a ping (a survivor stuck in a collective with a dead peer only times out)."""
-        ids = [w._actor_id.hex() for w in self._workers]
+        ids = [ray_private.actor_id_hex(w) for w in self._workers]
         actor_id = getattr(error, "actor_id", None)
         if actor_id in ids:
             return [ids.index(actor_id)]

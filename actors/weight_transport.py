@@ -28,6 +28,7 @@ from ray.util.collective.collective_group.base_collective_group import BaseGroup
 from moe_rl.actors.rendezvous import listening_socket, tcp_store
 from moe_rl.core.buckets import Entry, bucket_bytes_of, pack, plan_buckets, plan_id, unpack
 from moe_rl.core.digests import DTYPES
+from moe_rl.rllib import ray_private
 from moe_rl.rllib.ray_private import kv_del, kv_get, kv_put
 from moe_rl.rllib.runner import runner_modules, synced_state
 
@@ -212,5 +213,5 @@ def receive(runner, sources: Dict[str, List[Entry]], version: int, bucket_bytes:
     for t in threads:
         t.join()
     if not errors:
-        runner._weights_seq_no = version
+        ray_private.set_runner_weights_seq_no(runner, version)
     return {"ok": not errors, "error": "; ".join(errors)}

@@ -1,22 +1,22 @@
-"""MoE-APPO vs RLlib's stock APPO, the same encoder and equal active parameters, in one run.
+"""MoE-APPO against the APPO a user would run, by BENCHMARKS.md's fair-peer rule, in one run.
 
-    .venv/bin/python bench/bench_appo.py --suite cartpole --seeds 0-1            # resumable
-    .venv/bin/python bench/bench_appo.py --suite mt3 --seeds 0-1 --budget 300000
+    .venv/bin/python bench/bench_appo.py --seeds 0-4            # resumable; seeds in turn, arms interleaved
     .venv/bin/python bench/bench_appo.py --report
 
-Arms (each from the suite's config, configs/appo_cartpole.yaml or appo_minigrid_mt3.yaml):
-  moe_appo          MoEAPPO with the consistency check before every update (consistency.every 1)
-  moe_appo_every10  the same, checked before every 10th update (the configs' setting)
-  moe_appo_nocheck  the same with consistency.enabled false: what the check costs
-  stock_appo        stock RLlib APPO (APPOConfig, its own learner and training_step) with
-                    DenseAPPOPeerModule: the MoE policy's encoder and blocks, each MoE layer a dense
-                    one of the same active width (moe_rl.rllib.dense_peer)
-Every run trains until --budget env steps. Per run: env steps/s over the whole run (training
-included; building the algorithm not), the wall seconds and env steps at which the mean
-training return first reached --target, the final return, and the env steps trained per env step
-sampled (on 2 cores the rollout actors and the learner share the CPU: an arm whose learner trains
-less samples faster, so read throughput beside it). One JSON per (suite, arm, seed)
-under bench/results/appo/; the arms of a seed run one after another, seeds in turn.
+Arms (CartPole-v1, the same rollout actors and learners for all: configs/appo_cartpole.yaml's 2
+env runners x 4 envs, the learner in the driver):
+  stock_appo   RLlib's own tuned CartPole APPO (rllib/examples/algorithms/appo/cartpole_appo.py on
+               Ray's master): APPOConfig with circular_buffer_iterations_per_batch 2, vf_loss_coeff
+               0.05, entropy_coeff 0.0, lambda_ 0.95, DefaultModelConfig(vf_share_layers=True) (its
+               256x256 model, value layers shared); everything else APPO's defaults
+  moe_appo     MoE-APPO, configs/appo_cartpole.yaml as it is (8 experts, top-2, bias router, the
+               check before every 10th update)
+  dense_appo   the same MoE-APPO loop and config with each MoE layer a dense one of the same active
+               width (moe.mixture dense, router topk): what the loop does without the mixture
+The metric, fixed before the runs: the mean training return over the 20 k..200 k env-step grid
+(the curve's value at each 20 k mark, the last point at or before it), and the env steps and wall
+seconds at which the return first reached 150; env steps/s over the whole run (training included);
+env steps trained per step sampled. One JSON per (arm, seed) under bench/results/appo_fair/.
 """
 from __future__ import annotations
 
@@ -33,73 +33,71 @@ sys.path.insert(0, HERE)
 from bench_minigrid import _write_json, missing_runs  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results", "appo")
-# (config, target return for the time to target, env-step budget): targets both arms reach within
-# the budget on this machine (CartPole's 450 takes RLlib's tuned APPO up to 2 M steps).
-SUITES = {"cartpole": ("appo_cartpole.yaml", 150.0, 200_000), "mt3": ("appo_minigrid_mt3.yaml", 0.5, 600_000)}
-ARMS = ("moe_appo", "moe_appo_every10", "moe_appo_nocheck", "stock_appo")
+RESULTS = os.path.join(HERE, "results", "appo_fair")
+ARMS = ("stock_appo", "moe_appo", "dense_appo")
+BUDGET, TARGET, GRID = 200_000, 150.0, range(20_000, 200_001, 20_000)
 
 
-def build(arm: str, suite: str, seed: int):
+def build(arm: str, seed: int):
     from ray.rllib.algorithms.appo import APPOConfig
-    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
-    from ray.tune.registry import register_env
+    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
     from moe_rl.app.run_config import apply_overrides, load_run_config, validate_run_config
-    from moe_rl.envs.minigrid_mt import MultiTaskMiniGrid
-    from moe_rl.rllib.dense_peer import DenseAPPOPeerModule
-    from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
 
-    cfg = apply_overrides(load_run_config(os.path.join(ROOT, "configs", SUITES[suite][0])), [f"seed={seed}"])
-    if arm != "stock_appo":
-        every = {"moe_appo": 1, "moe_appo_every10": 10}.get(arm)
-        cfg["consistency"] = {**(cfg.get("consistency") or {}), **(
-            {"every": every} if every else {"enabled": False})}
+    cfg = apply_overrides(load_run_config(os.path.join(ROOT, "configs", "appo_cartpole.yaml")), [f"seed={seed}"])
+    if arm == "moe_appo":
         return validate_run_config(cfg)
-    env, env_config = cfg["env"], cfg.get("env_config") or {}
-    if env.startswith("moe_rl/MiniGrid"):   # stock env runners never import moe_rl: a registered creator
-        import gymnasium as gym
-        register_env("minigrid_mt", lambda c: MultiTaskMiniGrid(**c))
-        env, env_config = "minigrid_mt", {"tasks": gym.spec(cfg["env"]).kwargs["tasks"]}
-    return (APPOConfig().environment(env, env_config=env_config)
-            .env_runners(**cfg["env_runners"]).learners(**cfg["learners"]).training(**cfg["training"])
-            .rl_module(rl_module_spec=RLModuleSpec(module_class=DenseAPPOPeerModule, model_config={"moe": cfg["moe"]}))
-            .callbacks(TaskEpisodeMetrics).debugging(seed=seed))
+    if arm == "dense_appo":
+        return validate_run_config(apply_overrides(cfg, ["moe.mixture=dense", "moe.router=topk"]))
+    return (APPOConfig().environment("CartPole-v1")
+            .env_runners(**cfg["env_runners"]).learners(**cfg["learners"])
+            .training(circular_buffer_iterations_per_batch=2, vf_loss_coeff=0.05, entropy_coeff=0.0, lambda_=0.95)
+            .rl_module(model_config=DefaultModelConfig(vf_share_layers=True))
+            .debugging(seed=seed))
 
 
-def run_one(arm: str, suite: str, seed: int, out: str, budget: int, target: float) -> None:
+def run_one(arm: str, seed: int, out: str) -> None:
     import ray
 
     from moe_rl.app.train import start_local_ray
-    config = build(arm, suite, seed)
+    config = build(arm, seed)
     start_local_ray(num_cpus=max(os.cpu_count() or 1, config.num_env_runners + 1))
     try:
         algo = config.build_algo()
         start, curve, steps = time.time(), [], 0
-        while steps < budget:
+        while steps < BUDGET:
             r = algo.train()
             steps = r["env_runners"]["num_env_steps_sampled_lifetime"]
             curve.append({"time_s": time.time() - start, "env_steps": steps,
                           "return": r["env_runners"].get("episode_return_mean"),
                           "trained_steps": r["learners"]["__all_modules__"].get("num_env_steps_trained_lifetime")})
-            print(f"{suite} {arm} seed {seed}: {steps} steps, return {curve[-1]['return']}, "
-                  f"{curve[-1]['time_s']:.0f}s", flush=True)
+            print(f"{arm} seed {seed}: {steps} steps, return {curve[-1]['return']}, {curve[-1]['time_s']:.0f}s",
+                  flush=True)
         algo.stop()
     finally:
         ray.shutdown()
-    hit = next((c for c in curve if c["return"] is not None and c["return"] >= target), None)
-    _write_json(out, {"suite": suite, "arm": arm, "seed": seed, "budget": budget, "target": target,
-                      "steps_per_s": curve[-1]["env_steps"] / curve[-1]["time_s"],
-                      "time_to_target_s": hit and hit["time_s"], "steps_to_target": hit and hit["env_steps"],
-                      "final_return": curve[-1]["return"], "curve": curve, "command": " ".join(sys.argv)})
+    _write_json(out, {"arm": arm, "seed": seed, "curve": curve, "command": " ".join(sys.argv)})
 
 
-def _trained_per_sampled(by_seed: dict) -> str:
-    """The median over seeds of the env steps trained per step sampled, from each run's last
-    point (runs made before the curve recorded trained_steps have none)."""
-    values = [c["trained_steps"] / c["env_steps"] for c in (r["curve"][-1] for r in by_seed.values())
-              if c.get("trained_steps")]
-    return f"{statistics.median(values):.2f}" if values else "-"
+def figures(run: dict) -> dict:
+    """The registered figures of one run, from its curve."""
+    curve = [c for c in run["curve"] if c["return"] is not None]
+    at = [next((c["return"] for c in reversed(curve) if c["env_steps"] <= mark), math.nan) for mark in GRID]
+    hit = next((c for c in curve if c["return"] >= TARGET), None)
+    last = run["curve"][-1]
+    return {"grid_mean": statistics.fmean(v for v in at if v == v) if any(v == v for v in at) else math.nan,
+            "steps_to_target": hit and hit["env_steps"], "time_to_target_s": hit and hit["time_s"],
+            "steps_per_s": last["env_steps"] / last["time_s"],
+            "trained_per_sampled": (last["trained_steps"] or 0) / last["env_steps"],
+            "final": curve[-1]["return"] if curve else math.nan}
+
+
+def _ci(values):
+    """Mean and the 95 % t half-width."""
+    t95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+    m = statistics.fmean(values)
+    return m, (t95.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
+               if len(values) > 1 else math.nan)
 
 
 def report(results: str) -> str:
@@ -108,38 +106,34 @@ def report(results: str) -> str:
         if name.endswith(".json"):
             with open(os.path.join(results, name)) as f:
                 r = json.load(f)
-            runs.setdefault((r["suite"], r["arm"]), {})[r["seed"]] = r
-    lines = ["| suite | arm | seeds | env steps/s (median) | vs stock APPO (median of per-seed ratios) | "
-             "time to target s (median; reached) | final return (median) | trained per sampled step (median) |",
+            runs.setdefault(r["arm"], {})[r["seed"]] = figures(r)
+    lines = ["| arm | seeds | return over the 20-200 k grid (mean ± 95 % CI) | reached 150 | env steps to 150 "
+             "(median) | env steps/s (median) | trained per sampled step | final return (median) |",
              "|---" * 8 + "|"]
-    for (suite, arm), by_seed in sorted(runs.items()):
-        stock = runs.get((suite, "stock_appo"), {})
-        ratios = [r["steps_per_s"] / stock[s]["steps_per_s"] for s, r in by_seed.items() if s in stock] or [math.nan]
-        hits = [r["time_to_target_s"] for r in by_seed.values() if r["time_to_target_s"] is not None]
-        speed = statistics.median(r["steps_per_s"] for r in by_seed.values())
-        lines.append(f"| {suite} | {arm} | {len(by_seed)} | {speed:.0f} | {statistics.median(ratios):.2f} | "
-                     f"{(f'{statistics.median(hits):.0f}' if hits else '-')} ({len(hits)}/{len(by_seed)}) | "
-                     f"{statistics.median(r['final_return'] for r in by_seed.values()):.3g} | "
-                     f"{_trained_per_sampled(by_seed)} |")
-    for suite in sorted({s for s, _ in runs}):
-        on, off = runs.get((suite, "moe_appo"), {}), runs.get((suite, "moe_appo_nocheck"), {})
-        every10 = runs.get((suite, "moe_appo_every10"), {})
-        for name, arm in (("every update", on), ("every 10th update", every10)):
-            costs = [1 - arm[s]["steps_per_s"] / off[s]["steps_per_s"] for s in arm if s in off]
-            if costs:
-                lines.append(f"\n{suite}: the check before {name} costs {100 * statistics.median(costs):.1f} % of "
-                             f"MoE-APPO's env steps/s (median over {len(costs)} seeds; per seed "
-                             + ", ".join(f"{100 * c:.1f}" for c in costs) + ")")
+    for arm in ARMS:
+        by_seed = runs.get(arm)
+        if not by_seed:
+            continue
+        m, h = _ci([f["grid_mean"] for f in by_seed.values()])
+        hits = [f["steps_to_target"] for f in by_seed.values() if f["steps_to_target"] is not None]
+        lines.append(f"| {arm} | {len(by_seed)} | {m:.1f} ± {h:.1f} | {len(hits)}/{len(by_seed)} | "
+                     f"{statistics.median(hits) if hits else '-'} | "
+                     f"{statistics.median(f['steps_per_s'] for f in by_seed.values()):.0f} | "
+                     f"{statistics.median(f['trained_per_sampled'] for f in by_seed.values()):.2f} | "
+                     f"{statistics.median(f['final'] for f in by_seed.values()):.0f} |")
+    for a, b in (("moe_appo", "stock_appo"), ("moe_appo", "dense_appo"), ("dense_appo", "stock_appo")):
+        seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
+        if len(seeds) > 1:
+            m, h = _ci([runs[a][s]["grid_mean"] - runs[b][s]["grid_mean"] for s in seeds])
+            lines.append(f"\n{a} - {b}, grid mean, paired over seeds {seeds}: {m:+.1f} (95 % CI "
+                         f"[{m - h:+.1f}, {m + h:+.1f}])")
     return "\n".join(lines)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", choices=tuple(SUITES), default="cartpole")
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--seeds", default="0-2")
-    p.add_argument("--budget", type=int)
-    p.add_argument("--target", type=float)
+    p.add_argument("--seeds", default="0-4")
     p.add_argument("--results", default=RESULTS)
     p.add_argument("--report", action="store_true")
     args = p.parse_args()
@@ -147,10 +141,9 @@ def main():
         print(report(args.results))
         return
     os.makedirs(args.results, exist_ok=True)
-    _, target, budget = SUITES[args.suite]
     for arm, seed, out in missing_runs(args.seeds, args.arms, ARMS,
-                                       lambda a, s: os.path.join(args.results, f"{args.suite}-{a}-seed{s}.json")):
-        run_one(arm, args.suite, seed, out, args.budget or budget, args.target or target)
+                                       lambda a, s: os.path.join(args.results, f"cartpole-{a}-seed{s}.json")):
+        run_one(arm, seed, out)
 
 
 if __name__ == "__main__":

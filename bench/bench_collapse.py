@@ -74,7 +74,7 @@ def run(source: str, arm: str, seed: int, iterations: int):
     try:
         for _ in range(iterations):
             rows.append(metrics_row(algo.train()))
-        checks = algo.sync_gate.rows
+        checks = algo.sync_gate.ledger()
     except Exception as e:  # noqa: BLE001  a run that raises counts as collapsed, with its reason
         error, checks = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", []
     finally:

@@ -70,7 +70,7 @@ def train(algo, iterations: int, inject_at=None, fault=None):
             break
         returns.append(float(r["env_runners"].get("episode_return_mean", float("nan"))))
         alerts += [f"{a['iteration']}:{a['metric']}:{a['kind']}" for a in r.get("moe_rl_alerts", [])]
-    rows = algo.sync_gate.rows
+    rows = algo.sync_gate.ledger()
     return {"returns": returns, "final_return": sum(returns[-5:]) / len(returns[-5:]),
             "rows": [{k: r.get(k) for k in ("iteration", "decision", "cause", "action", "reason", "lag_versions",
                                              "k3", "routing_agreement")} for r in rows],

@@ -48,7 +48,7 @@ def run(arm: str, seed: int, iterations: int, overrides=()):
             r = algo.train()
             rows.append(metrics_row(r))
             returns.append(rows[-1]["episode_return_mean"])
-        checks = algo.sync_gate.rows
+        checks = algo.sync_gate.ledger()
     finally:
         algo.stop()
     return {"arm": arm, "seed": seed, "returns": returns,

@@ -66,7 +66,7 @@ def measure(size: str, runners: int, transport: str, syncs: int) -> dict:
             t0 = time.perf_counter()
             algo._sync_rollout_weights()
             times.append(time.perf_counter() - t0)
-            transfer.append(algo.gate.transport.last_seconds if algo.gate.transport else float("nan"))
+            transfer.append(algo.gate.weights.transport.last_seconds if algo.gate.weights.transport else float("nan"))
         peak = {"driver": peak_rss_mb(), "learners": algo.learner_group.foreach(peak_rss_mb),
                 "runners": algo.runner_call(peak_rss_mb)[1]}
         wire = algo.runner_call(lambda r: sum(t.numel() * t.element_size() for m in runner_modules(r).values()
@@ -75,7 +75,7 @@ def measure(size: str, runners: int, transport: str, syncs: int) -> dict:
                "sync_s_median": statistics.median(times[1:]), "bytes_per_runner": wire,
                # collective: the broadcast alone (both ends), without the publish every sync does
                "broadcast_s_median": statistics.median(transfer[1:]),
-               "fallbacks": algo.gate.transport.fallbacks if algo.gate.transport else 0,
+               "fallbacks": algo.gate.weights.transport.fallbacks if algo.gate.weights.transport else 0,
                # peak RSS during the syncs, and its rise over the RSS they started from
                "peak_rss_mb": peak, "rss_rise_mb": {k: (np.subtract(peak[k], base[k]).tolist() if k != "driver"
                                                         else peak[k] - base[k]) for k in peak}}

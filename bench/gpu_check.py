@@ -122,15 +122,15 @@ def main():
 
         @step("4 collective weight sync")
         def _():
-            ws = algo.gate.transport
+            ws = algo.gate.weights.transport
             _, digests = algo.runner_call(runner_digests)
-            bad = {m: differing(algo.gate.synced_digests[m], d[m]) for d in digests for m in d}
+            bad = {m: differing(algo.gate.weights.digests[m], d[m]) for d in digests for m in d}
             assert ws.fallbacks == 0 and not any(bad.values()), (ws.fallbacks, bad)
             return f"{ws.last_seconds * 1e3:.1f} ms, version {algo.weights_version}, copies bit-exact (bf16)"
 
         @step("5 consistency check")
         def _():
-            rows = algo.sync_gate.rows
+            rows = algo.sync_gate.ledger()
             assert rows and rows[-1]["decision"] in ("sync", "warn"), rows[-1:]
             r = rows[-1]
             return (f"{len(rows)} checks, decision {r['decision']}, K3 {r.get('k3', float('nan')):.2e}, "

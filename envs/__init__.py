@@ -1,5 +1,6 @@
 """Gymnasium environments for MoE-RL (gymnasium + numpy; minigrid, imported when a MiniGrid env is made).
-Importing registers them."""
+Importing registers them, and MinAtar's five games (`MinAtar/Breakout-v1`, ...: minatar's own
+gymnasium ids; -v1 the minimal action set, -v0 the full one; 10x10xC boolean images)."""
 import gymnasium
 
 from moe_rl.envs.minigrid_mt import MultiTaskMiniGrid
@@ -22,3 +23,10 @@ _ENTRY_POINTS = {
 for _env_id, (_entry_point, _kwargs) in _ENTRY_POINTS.items():
     if _env_id not in gymnasium.registry:
         gymnasium.register(id=_env_id, entry_point=_entry_point, kwargs=_kwargs)
+
+try:   # minatar is a dependency; its games register themselves under MinAtar/
+    from minatar import gym as _minatar_gym
+except ImportError:   # pragma: no cover - a trimmed install without it
+    _minatar_gym = None
+if _minatar_gym is not None and "MinAtar/Breakout-v1" not in gymnasium.registry:
+    _minatar_gym.register_envs()

@@ -95,3 +95,28 @@ def local_head(*start_args, start_env=None):
         start.wait(30)
         ray_processes.kill_session(session)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class PureCheck:
+    """A check without Ray: the consistency actor's figures and the gate's decision (GateState.judge),
+    both in this process, as the sync gate runs them."""
+
+    def __init__(self, settings, kinds):
+        import dataclasses
+
+        from moe_rl.actors.consistency import ConsistencyActor
+        from moe_rl.core.gate import GateState, mismatch_limits
+        self._asdict = dataclasses.asdict
+        self.actor, self.state = ConsistencyActor(settings, kinds), GateState(settings)
+        self.limits = mismatch_limits(settings.thresholds)
+
+    def check(self, *, lag=0, stats=None, rollout=None, trainer=None, policy_lag=None, skipped=None,
+              old_probe=None, candidate_probe=None):
+        """-> (the verdict as a dict, the ledger rows)."""
+        self.actor.observe(iteration=1, version=5, sync_id=0, lag=lag, rollout=rollout or {}, trainer=trainer or {},
+                           policy_lag=policy_lag)
+        stats = stats or {"finite": True, "terms": {}}
+        rows = self.actor.figures(stats=stats, old_probe=old_probe or {}, candidate_probe=candidate_probe or {},
+                                  skipped=skipped, iteration=1, version=5, sync_id=0, lag=lag)["rows"]
+        verdict = self.state.judge(rows, lag, stats["finite"], [], [], self.limits)
+        return self._asdict(verdict), [r for _, r in sorted(rows.items())]

@@ -9,12 +9,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import PureCheck
 
 from moe_rl import MoEAPPOConfig, MoEPPOConfig
-from moe_rl.actors.consistency import ConsistencyActor
 from moe_rl.actors.learner_group import DeepSpeedLearnerGroup
 from moe_rl.algo import faults
 from moe_rl.algo.config_builders import MoESections
+from moe_rl.core.drift_kinds import PolicyKind
 from moe_rl.core.gate import validate_consistency
 from moe_rl.core.settings import ConfigError
 
@@ -28,20 +29,18 @@ def _check(lagged_k3_shift: float, same_shift: float, policy: str = "hold"):
     two syncs before; the trainer's log-probs differ from the rollout's by `same_shift` on the
     first and by `lagged_k3_shift` on the others (the policy moved across the lag)."""
     rng = np.random.default_rng(0)
-    actor = ConsistencyActor(validate_consistency({"policy": policy, "thresholds": {"max_abs_logp_diff": 1e-3}}),
-                             {"default_policy": True})
+    check = PureCheck(validate_consistency({"policy": policy, "thresholds": {"max_abs_logp_diff": 1e-3}}),
+                      {"default_policy": PolicyKind()})
     logp = np.log(rng.uniform(0.2, 0.8, 64))
     topk = rng.integers(0, 4, (64, 2, 2)).astype(np.int16)
     lagged_rollout = np.log(rng.uniform(0.2, 0.8, 64))
-    actor.observe(
-        iteration=1, version=5, lag=0,
-        rollout={"default_policy": {"logp": logp, "topk": topk, "positions": None}},
-        trainer={"default_policy": {"logp": logp + same_shift, "topk": topk}},
+    verdict, rows = check.check(
+        rollout={"default_policy": {"logp": logp, "routing": topk, "actions": np.zeros(64), "positions": None}},
+        trainer={"default_policy": {"logp": logp + same_shift, "routing": topk}},
         policy_lag={"default_policy": {"versions": np.r_[np.zeros(64), np.ones(32), 2 * np.ones(32)],
-                                       "rollout_logp": lagged_rollout,
-                                       "trainer_logp": lagged_rollout + lagged_k3_shift}})
-    result = actor.check(stats={"finite": True, "terms": {}}, candidate_view={}, corrupt=[], replicas=[])
-    return result["verdict"], result["rows"][0]
+                                       "rollout": {"logp": lagged_rollout},
+                                       "trainer": {"logp": lagged_rollout + lagged_k3_shift}}})
+    return verdict, rows[0]
 
 
 @pytest.mark.pure
@@ -91,10 +90,33 @@ def _moe_rl(*args, timeout=600):
 def test_a_misspelt_algo_fails_fast_naming_the_allowed_ones(tmp_path):
     out = _moe_rl("train", "--algo", "apo", "--output", str(tmp_path / "run"))
     assert out.returncode == 2, out.stderr
-    assert "algo: one of ppo, appo, got 'apo'" in out.stderr and not (tmp_path / "run").exists()
+    assert "algo: one of ppo, appo, dqn, got 'apo'" in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_another_algorithms_setting_the_user_wrote_is_refused_by_name_with_public_keys_only(tmp_path):
+    out = _moe_rl("train", "--algo", "appo", "--config", os.path.join(ROOT, "configs", "cartpole.yaml"),
+                  "--output", str(tmp_path / "run"))
+    assert out.returncode == 2 and not (tmp_path / "run").exists()
+    line = out.stderr.strip().splitlines()[-1]
+    assert "training.vf_clip_param: a setting of algo ppo, not of algo appo" in line
+    assert "circular_buffer_iterations_per_batch" in line and ", _" not in line and "(_" not in line
 
 
 # --- real runs ---------------------------------------------------------------------------------------
+def test_algo_appo_from_the_defaults_survives_iterations_without_a_check(tmp_path):
+    """`moe-rl train --algo appo` as a new user types it (APPO's own quickstart config), with the
+    check rarer than the updates: only the first of three iterations holds one, so the later rows
+    have no decision. Those rows once crashed the table writer (text, then NaN, in one column)."""
+    run = tmp_path / "run"
+    out = _moe_rl("train", "--algo", "appo", "--iterations", "3", "--output", str(run),
+                  "--set", "consistency.every=100000", "--set", "checkpoint_every=3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = pq.read_table(run / "metrics.parquet").to_pylist()
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert rows[0]["drift/decision"] == "sync" and [r["drift/decision"] for r in rows[1:]] == [None, None]
+    assert pq.read_table(run / "drift.parquet").num_rows == 1
+
+
 def test_a_moe_appo_run_records_lag_and_mismatch_apart_and_hold_takes_no_action(tmp_path):
     """3 iterations, 2 rollout actors, consistency.policy hold: the ledger has steps one sync old
     (lag > 0) while the same-weights mismatch stays at fp32 rounding, and no check acts."""
@@ -130,7 +152,7 @@ def test_a_bf16_rollout_copy_is_caught_as_mismatch_while_the_lag_is_recorded_apa
     try:
         for _ in range(4):
             algo.train()
-        rows = algo.sync_gate.rows
+        rows = algo.sync_gate.ledger()
         assert all("mismatch" in r["cause"] for r in rows if r.get("max_abs_logp_diff", 0) > 1e-4)
         assert any(r["cause"] == "mismatch" for r in rows) and {r["decision"] for r in rows} == {"sync"}
         assert any(r.get("policy_lag_max", 0) >= 1 for r in rows)   # lagged steps: never a cause
@@ -144,10 +166,10 @@ def test_a_corrupted_rollout_copy_is_repaired_at_the_next_check(ray_local):
         algo.train()
         faults.inject(algo, faults.CorruptRolloutCopy(runner=1))
         algo.train()
-        row = algo.sync_gate.rows[-1]
+        row = algo.sync_gate.ledger()[-1]
         assert "corrupt_copy" in row["cause"] and row["repairs"] >= 1 and "rollout actor 1" in row["param_breach_lines"]
         algo.train()
-        assert algo.sync_gate.rows[-1]["cause"] == ""
+        assert algo.sync_gate.ledger()[-1]["cause"] == ""
     finally:
         algo.stop()
 
@@ -159,11 +181,11 @@ def test_a_harmful_update_is_held_as_a_bad_update_while_healthy_ones_sync(ray_lo
     try:
         for _ in range(4):
             algo.train()
-        healthy = list(algo.sync_gate.rows)
+        healthy = list(algo.sync_gate.ledger())
         assert len(healthy) >= 4 and {r["decision"] for r in healthy} == {"sync"}
         faults.inject(algo, faults.HarmfulUpdate(factor=1000))
         algo.train()
-        first, *later = algo.sync_gate.rows[len(healthy):]
+        first, *later = algo.sync_gate.ledger()[len(healthy):]
         assert first["decision"] == "hold" and first["cause"] == "bad_update", first["reason"]
         # The weights' update size always breaches; the probe KL (k3_old_new) is recorded but not
         # always over its limit: APPO's batches differ with the machine's load, and one boosted
@@ -200,7 +222,7 @@ def test_the_deepspeed_expert_parallel_group_serves_appo(ray_local, tmp_path):
         assert result["learners"]["default_policy"]["num_target_updates"] >= 2
         now, trainable = group.foreach(target)[0]
         assert not torch.equal(now, initial) and not trainable
-        rows = algo.sync_gate.rows
+        rows = algo.sync_gate.ledger()
         same = [r for r in rows if r["k3"] is not None]
         assert same and max(r["k3"] for r in same) < 1e-9 and min(r["routing_agreement"] for r in same) == 1.0
         assert {r["decision"] for r in rows} == {"sync"} and not any(r["cause"] for r in rows)

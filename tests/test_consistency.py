@@ -89,7 +89,7 @@ def config(ep_size=2, policy="warn", th=None, **moe):
 
 
 def last_row(algo):
-    return algo.sync_gate.rows[-1]
+    return algo.sync_gate.ledger()[-1]
 
 
 def runner_state(algo):
@@ -103,7 +103,7 @@ def test_exact_setup_shows_no_drift(ray_local, tmp_path):
         for _ in range(2):
             result = algo.train()
             assert [r["iteration"] for r in result["moe_rl_drift"]] == [algo.iteration]   # this iteration's rows
-        write_table(str(tmp_path / "drift.parquet"), algo.sync_gate.rows)
+        write_table(str(tmp_path / "drift.parquet"), algo.sync_gate.ledger())
         row = last_row(algo)
         assert abs(row["k3"]) < 1e-6 and row["routing_agreement"] == 1.0 and row["lag_versions"] == 0
         assert row["param_breach_lines"] == "" and row["decision"] == "sync" and row["action"] == ""
@@ -189,7 +189,7 @@ def test_stale_rollout_copy_is_repaired(ray_local):
         assert row["cause"] == "corrupt_copy" and row["action"] == "repair" and row["decision"] == "sync"
         assert row["repairs"] == 1 and "rollout actor 1: trunk." in row["param_breach_lines"]
         assert "max_diff=" in row["param_breach_lines"]
-        assert algo.sync_gate._corrupt_copies() == {}    # verified after the repair
+        assert algo.sync_gate.weights.corrupt_copies() == {}    # verified after the repair
     finally:
         algo.stop()
 
@@ -211,7 +211,7 @@ def test_wrong_expert_mapping_on_a_rollout_actor_is_named_and_repaired(ray_local
         assert row["action"] == "repair"
         breach = "rollout actor 1: trunk.blocks.0.moe.experts.experts.0.fc1.weight: max_diff="
         assert breach in row["param_breach_lines"]
-        assert algo.sync_gate._corrupt_copies() == {}
+        assert algo.sync_gate.weights.corrupt_copies() == {}
     finally:
         algo.stop()
 
@@ -225,7 +225,7 @@ def test_rollout_correction_reweights_and_rejects_and_is_reported(ray_local, pre
         correction={"preset": preset, "rs_threshold": 1.0001}).build_algo()
     try:
         learner = algo.train()["learners"]["default_policy"]
-        assert 0.0 < learner["correction/k3"] and algo.sync_gate.rows[-1]["k3"] > 0
+        assert 0.0 < learner["correction/k3"] and algo.sync_gate.ledger()[-1]["k3"] > 0
         if preset == "token_is":
             assert 0.5 < learner["correction/is_mean"] <= 2.0 and learner["correction/is_max"] <= 2.0
             assert learner["correction/rejected_fraction"] == 0.0
@@ -255,7 +255,7 @@ def test_every_router_and_capacity_option_is_consistent_by_construction(ray_loca
     try:
         for _ in range(3):
             algo.train()
-        for row in algo.sync_gate.rows:
+        for row in algo.sync_gate.ledger():
             assert row["routing_agreement"] == 1.0 and abs(row["k3"]) <= 1e-6, (moe, row["iteration"])
     finally:
         algo.stop()
@@ -278,7 +278,7 @@ def test_token_trunk_with_a_capacity_limit_is_consistent_without_replay(ray_loca
         assert algo.learner_group._learner.module[DEFAULT_MODULE_ID].replay_mode is None
         for _ in range(3):
             algo.train()
-        for row in algo.sync_gate.rows:
+        for row in algo.sync_gate.ledger():
             assert row["routing_agreement"] == 1.0 and abs(row["k3"]) <= 1e-6, row["iteration"]
     finally:
         algo.stop()
@@ -290,7 +290,7 @@ def test_expert_dropout_is_not_mismatch(ray_local):
     try:
         for _ in range(2):
             algo.train()
-        assert all(r["routing_agreement"] == 1.0 and abs(r["k3"]) < 1e-6 for r in algo.sync_gate.rows)
+        assert all(r["routing_agreement"] == 1.0 and abs(r["k3"]) < 1e-6 for r in algo.sync_gate.ledger())
     finally:
         algo.stop()
 
@@ -350,7 +350,7 @@ def test_a_run_whose_correction_rejects_everything_says_so_and_moves_no_weight(r
         learner = results[-1]["learners"]["default_policy"]
         assert learner["correction/rejected_fraction"] == 1.0
         assert learner["correction/skipped_updates"] == 2.0 and learner["correction/skipped_updates_in_a_row"] == 2.0
-        rows = algo.sync_gate.rows[-2:]
+        rows = algo.sync_gate.ledger()[-2:]
         assert all("all_rejected" in r["cause"].split(";") and "skip" in r["action"].split(";") for r in rows)
         assert "2 updates in a row" in rows[-1]["reason"] and rows[-1]["correction_skipped_steps"] > 0
     finally:

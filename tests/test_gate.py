@@ -14,7 +14,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from moe_rl import MoEPPOConfig
-from moe_rl.actors.consistency import probe_flip_rate
+from moe_rl.core.drift_kinds import sparse_flip_rate
 from moe_rl.algo import faults
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.core.digests import differing, in_sample, sample_of, state_digests, tensor_digest
@@ -134,13 +134,13 @@ def test_gate_state_round_trips():
 
 @pytest.mark.pure
 def test_probe_flips_count_only_above_the_margin():
-    old = {"topk": np.array([[[0, 1]], [[2, 3]], [[0, 1]]]).reshape(3, 1, 2),
+    old = {"routing": np.array([[[0, 1]], [[2, 3]], [[0, 1]]]).reshape(3, 1, 2),
            "margin": np.array([[1e-4], [0.5], [0.5]])}
-    new = {"topk": np.array([[[2, 3]], [[0, 1]], [[1, 0]]]).reshape(3, 1, 2), "margin": np.zeros((3, 1))}
+    new = {"routing": np.array([[[2, 3]], [[0, 1]], [[1, 0]]]).reshape(3, 1, 2), "margin": np.zeros((3, 1))}
     # token 0 flipped at a tiny margin (near-uniform router): not counted; token 1 counted;
     # token 2 kept its set (order does not matter).
-    assert probe_flip_rate(old, new, margin=0.05) == pytest.approx(1 / 3)
-    assert probe_flip_rate(old, new, margin=0.0) == pytest.approx(2 / 3)
+    assert sparse_flip_rate(old, new, margin=0.05) == pytest.approx(1 / 3)
+    assert sparse_flip_rate(old, new, margin=0.0) == pytest.approx(2 / 3)
 
 
 @pytest.mark.pure
@@ -226,13 +226,13 @@ def run(algo, iterations, inject_at=None, fault=None):
         if i == inject_at:
             faults.inject(algo, fault)
         algo.train()
-        rows.append(algo.sync_gate.rows[-1])
+        rows.append(algo.sync_gate.ledger()[-1])
     return rows
 
 
 def synced_equals_learners(algo) -> bool:
     live = algo.learner_group.module_state()["default_policy"]
-    synced = ray.get(algo.gate.synced_refs[0])["default_policy"]
+    synced = ray.get(algo.gate.weights.refs[0])["default_policy"]
     return all(np.array_equal(live[k], synced[k]) for k in synced)
 
 
@@ -255,7 +255,7 @@ def test_corrupt_rollout_copy_is_repaired_at_the_first_check(ray_local):
         rows = run(algo, 6, inject_at=4, fault=faults.CorruptRolloutCopy(delta=0.5))
         assert [r["cause"] for r in rows] == ["", "", "", "", "corrupt_copy", ""]
         assert "max_diff=0.5 (threshold=0)" in rows[4]["param_breach_lines"] and rows[4]["repairs"] == 1
-        assert rows[4]["decision"] == "sync" and algo.sync_gate._corrupt_copies() == {}
+        assert rows[4]["decision"] == "sync" and algo.sync_gate.weights.corrupt_copies() == {}
     finally:
         algo.stop()
 
@@ -267,7 +267,7 @@ def test_a_rotating_digest_share_catches_a_corrupt_copy_within_k_checks(ray_loca
     algo = config(policy="warn", param_sample=0.5).build_algo()
     try:
         algo.train()
-        share = set(algo.gate.synced_digests["default_policy"])
+        share = set(algo.gate.weights.digests["default_policy"])
         everything = set(algo.runner_call(runner_digests)[1][0]["default_policy"])
         assert 0 < len(share) < len(everything)
         # a dense tensor (the fault writes the module's own state) outside the next check's share
@@ -276,7 +276,7 @@ def test_a_rotating_digest_share_catches_a_corrupt_copy_within_k_checks(ray_loca
         for _ in range(2):
             faults.inject(algo, faults.CorruptRolloutCopy(name=outside, delta=0.5))
             algo.train()
-            rows.append(algo.sync_gate.rows[-1])
+            rows.append(algo.sync_gate.ledger()[-1])
         assert [r["cause"] for r in rows] == ["", "corrupt_copy"], [r["cause"] for r in rows]
         assert f"{outside}: max_diff=0.5" in rows[1]["param_breach_lines"]
     finally:
@@ -391,18 +391,17 @@ def test_replica_divergence_is_resynced_under_expert_parallelism(ray_local):
         assert rows[3]["cause"] == "replica_divergence" and rows[3]["action"] == "resync"
         assert "learner 1 vs learner 0: trunk.blocks.0.moe.router.gate.weight: max_diff=0.01" in rows[3][
             "param_breach_lines"]
-        assert rows[4]["cause"] == "" and algo.sync_gate._check_replicas(algo.iteration) == []
+        assert rows[4]["cause"] == "" and algo.sync_gate.weights.diverged_replicas(algo.iteration) == []
     finally:
         algo.stop()
 
 
 @pytest.mark.pure
 def test_k3_by_expert_shows_the_drifting_expert():
-    from moe_rl.actors.consistency import k3_by_expert
+    from moe_rl.core.drift_kinds import by_expert
     topk = np.array([[[0, 1]], [[0, 2]], [[3, 1]], [[3, 2]]])          # 4 tokens, 1 layer, top-2
-    rollout = torch.zeros(4)
-    trainer = torch.tensor([0.0, 0.0, math.log(2.0), math.log(2.0)])  # only tokens through expert 3 drift
-    got = k3_by_expert(trainer, rollout, topk)[0]
+    log_r = torch.tensor([0.0, 0.0, math.log(2.0), math.log(2.0)]).double()   # only tokens through expert 3 drift
+    got = by_expert(log_r.exp() - 1 - log_r, topk, "sparse")[0]
     assert got[0] == 0.0 and got[3] == pytest.approx(2 - 1 - math.log(2))
     assert got[1] == pytest.approx((2 - 1 - math.log(2)) / 2)
 
@@ -410,15 +409,16 @@ def test_k3_by_expert_shows_the_drifting_expert():
 # --- the edges: each test failed before its fix ----------------------------------------------------
 
 def _actor(**kw):
-    from moe_rl.actors.consistency import ConsistencyActor
-    return ConsistencyActor(validate_consistency({"relative_warmup": 3, "relative_z": 1.0, **kw}), {"p": True})
+    from helpers import PureCheck
+
+    from moe_rl.core.drift_kinds import PolicyKind
+    return PureCheck(validate_consistency({"relative_warmup": 3, "relative_z": 1.0, **kw}), {"p": PolicyKind()})
 
 
-def _check(actor, lag, size, skipped=None):
+def _check(check, lag, size, skipped=None):
     """One check of module p's candidate: only its update size (sq_diff / sq_ref = size^2)."""
-    actor.observe(iteration=1, version=0, lag=lag, rollout={}, trainer={})
-    return actor.check(stats={"finite": True, "terms": {"p": {"experts": [size ** 2, 1.0]}}}, candidate_view={},
-                       corrupt=[], replicas=[], **({"skipped": skipped} if skipped else {}))["verdict"]
+    return check.check(lag=lag, stats={"finite": True, "terms": {"p": {"experts": [size ** 2, 1.0]}}},
+                       skipped=skipped)[0]
 
 
 @pytest.mark.pure

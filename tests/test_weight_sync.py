@@ -76,7 +76,7 @@ def _collective(**moe):
 def _copies_match(algo):
     ids, digests = algo.runner_call(runner_digests)
     versions = algo.runner_call(lambda r: r._weights_seq_no)[1]
-    return all(not differing(algo.gate.synced_digests[m], d[m]) for d in digests for m in d), versions
+    return all(not differing(algo.gate.weights.digests[m], d[m]) for d in digests for m in d), versions
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -85,7 +85,7 @@ def test_collective_sync_loads_every_copy_exactly(ray_local, dtype):
     try:
         for _ in range(2):
             result = algo.train()
-        ws = algo.gate.transport
+        ws = algo.gate.weights.transport
         assert ws.fallbacks == 0 and ws.last_seconds > 0
         assert len(ws.sources) == 2                       # both expert-parallel ranks send their part
         wire = {e[3] for es in ws.sources.values() for e in es}
@@ -101,7 +101,7 @@ def test_a_refused_header_writes_nothing_then_the_object_store_repairs(ray_local
     algo = _collective().build_algo()
     try:
         algo.train()
-        ws = algo.gate.transport
+        ws = algo.gate.weights.transport
         before = algo.runner_call(runner_digests)[1]
         v = algo.weights_version
         # The driver announces v + 1, the learners send v + 2: a mixed-version load.
@@ -131,17 +131,17 @@ def test_the_gate_works_from_the_parts_the_learners_kept(ray_local):
     try:
         for _ in range(2):
             algo.train()
-        assert algo.gate._synced_refs is None                       # nothing published
-        row = algo.sync_gate.rows[-1]
+        assert algo.gate.weights.published_refs is None                       # nothing published
+        row = algo.sync_gate.ledger()[-1]
         sizes = [v for k, v in row.items() if k.startswith("update_size/")]
         assert sizes and all(0 < v < 1 for v in sizes), row
         faults.inject(algo, faults.CorruptRolloutCopy(runner=2, delta=0.5))
         algo.train()
-        row = algo.sync_gate.rows[-1]
+        row = algo.sync_gate.ledger()[-1]
         assert row["cause"] == "corrupt_copy" and row["repairs"] == 1, row
         assert "rollout actor 2: " in row["param_breach_lines"] and "max_diff=0.5" in row["param_breach_lines"]
         exact, versions = _copies_match(algo)
-        assert exact and versions == [algo.weights_version] * 2 and algo.gate.transport.fallbacks == 0
+        assert exact and versions == [algo.weights_version] * 2 and algo.gate.weights.transport.fallbacks == 0
     finally:
         algo.stop()
 
@@ -150,7 +150,7 @@ def test_without_the_gate_nothing_is_kept_and_the_object_store_serves_from_the_w
     algo = _collective().consistency(enabled=False).build_algo()
     try:
         algo.train()
-        assert algo.gate._synced_refs is None and algo.gate.transport.fallbacks == 0
+        assert algo.gate.weights.published_refs is None and algo.gate.weights.transport.fallbacks == 0
         assert algo.learner_group.foreach(lambda l: hasattr(l, "_synced_part")) == [False, False]
         algo.gate.push_synced_weights(force=True)          # what a repair or a restarted actor gets
         learners = {k: v for k, v in algo.learner_group.module_state()["default_policy"].items()}
@@ -168,10 +168,10 @@ def test_a_restarted_rollout_actor_rejoins(ray_local):
         algo.train()
         ray.kill(algo.env_runner_group._worker_manager._actors[2], no_restart=False)
         deadline = time.time() + 120
-        while time.time() < deadline and not (algo.gate.transport.runner_ids == [1, 2] and algo.iteration >= 4
+        while time.time() < deadline and not (algo.gate.weights.transport.runner_ids == [1, 2] and algo.iteration >= 4
                                              and algo.env_runner_group.num_healthy_remote_workers() == 2):
             algo.train()
-        ws = algo.gate.transport
+        ws = algo.gate.weights.transport
         assert ws.runner_ids == [1, 2] and ws.generation >= 2, (ws.runner_ids, ws.generation)
         result = algo.train()                       # a collective sync with the restarted actor in the group
         assert result["moe_rl"]["sync/collective_fallbacks"] == ws.fallbacks

@@ -9,10 +9,8 @@
 from __future__ import annotations
 
 from ray.rllib.algorithms.ppo import PPO, PPOConfig
-from ray.rllib.execution.rollout_ops import synchronous_parallel_sample
-from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
 
-from moe_rl.algo.moe_algorithm import MoEAlgorithm
+from moe_rl.algo.moe_algorithm import Iteration, MoEAlgorithm
 from moe_rl.algo.moe_config import MoEConfig
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.rllib.learner import MoEPPOTorchLearner
@@ -33,29 +31,12 @@ class MoEPPOConfig(MoEConfig, PPOConfig):
 
 
 class MoEPPO(MoEAlgorithm, PPO):
-    """PPO whose policy is an MoE (moe_rl.algo.moe_algorithm: one iteration), sampled
-    synchronously: every rollout actor runs the synced weights."""
-
-    rollouts_wait = True
+    """PPO whose policy is an MoE (moe_rl.algo.moe_algorithm: one training step), sampled
+    synchronously: every rollout actor runs the synced weights, and waits for the next."""
 
     @classmethod
     def get_default_config(cls) -> MoEPPOConfig:
         return MoEPPOConfig()
 
-    def sample_episodes(self):
-        """Rollout actors step their envs with the inference copy (weights version v). A rollout
-        actor that dies mid-sample costs only its in-flight request: the others fill the batch, the
-        loss is counted (`faults/*`), and RLlib restarts the actor before the next iteration.
-        Episodes with non-finite observations or rewards are dropped here and counted."""
-        healthy = self.env_runner_group.num_healthy_remote_workers()
-        by_agent = self.config.count_steps_by == "agent_steps"
-        episodes, runner_results = synchronous_parallel_sample(
-            worker_set=self.env_runner_group,
-            max_agent_steps=self.config.total_train_batch_size if by_agent else None,
-            max_env_steps=None if by_agent else self.config.total_train_batch_size,
-            sample_timeout_s=self.config.sample_timeout_s,
-            _uses_new_env_runners=True, _return_metrics=True)
-        if episodes:
-            self.metrics.aggregate(runner_results, key=ENV_RUNNER_RESULTS)
-        return self.count_sampling_faults(healthy, episodes)
-
+    def training_plan(self) -> Iteration:
+        return Iteration(sampling="synchronous", trains_on="fresh", passes=self.config.num_epochs)

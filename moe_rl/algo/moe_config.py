@@ -27,12 +27,14 @@ from moe_rl.core.settings import (
     validate_weight_sync,
 )
 from moe_rl.core.stability import validate_stability
+from moe_rl.rllib import ray_private
 from moe_rl.rllib.learner_group import MoELearnerGroup
+from moe_rl.rllib.ray_private import ModelConfigCarriesMoE
 from moe_rl.rllib.rl_module import MoEPolicyModule
 from moe_rl.rllib.task_metrics import TaskEpisodeMetrics
 
 
-class MoEConfig(MoESections):
+class MoEConfig(ModelConfigCarriesMoE, MoESections):
     module_class = MoEPolicyModule   # an algorithm whose loss needs more APIs names its own
 
     def __init__(self, algo_class=None):
@@ -70,10 +72,6 @@ class MoEConfig(MoESections):
         self.validate()
         return super().build_learner(**kwargs)
 
-    @property
-    def _model_config_auto_includes(self) -> Dict[str, Any]:
-        return super()._model_config_auto_includes | {"moe": self.moe_settings}
-
     def get_default_rl_module_spec(self) -> RLModuleSpec:
         return RLModuleSpec(module_class=self.module_class)
 
@@ -90,7 +88,7 @@ class MoEConfig(MoESections):
         typed["weight_sync_settings"] = validate_weight_sync(   # evaluation: its own runners
             self.weight_sync_settings, uses_deepspeed=bool(typed["deepspeed_settings"].enabled),
             num_env_runners=None if self.in_evaluation else self.num_env_runners)
-        if not self._is_frozen:   # a frozen config was validated before it froze
+        if not ray_private.config_is_frozen(self):   # a frozen config was validated before it froze
             for name, section in typed.items():
                 setattr(self, name, section)
         super().validate()

@@ -60,7 +60,7 @@ class MoEMonitoring(RLlibCallback):
             except ray.exceptions.RayError:   # a dead runner: fault tolerance handles it, not this watch
                 pass
         gate = algorithm.sync_gate
-        rows = gate.rows if gate is not None else []
+        rows = gate.ledger() if gate is not None else []
         result["moe_rl_drift"] = rows[self._ledger_seen:]
         self._ledger_seen = len(rows)
         row = metrics_row(result)

@@ -45,6 +45,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import ray
 import ray.util.metrics as ray_metrics
 
+from moe_rl.rllib import ray_private
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "moe_rl_"
@@ -163,7 +165,7 @@ class PrometheusExporter:
         period = self.refresh_s
         if period is None:
             try:
-                period = max(ray._config.metrics_report_interval_ms(), 1000) / 2000.0
+                period = max(ray_private.metrics_report_interval_s(), 1.0) / 2.0
             except Exception:  # noqa: BLE001
                 period = 5.0
         self._refresher = threading.Thread(target=self._refresh_loop, args=(period,),

@@ -8,6 +8,7 @@ prefixed `moe_rl_`, Prometheus names):
     stop_return read; RLlib 2.60's episode_return_mean covers only the episodes that ended in the
     iteration, despite metrics_num_episodes_for_smoothing),
     policy_loss, vf_loss, entropy, mean_kl_loss, aux_loss, z_loss, weights_seq_no,
+    qf_loss, qf_mean, td_error_mean        DQN's TD loss and Q statistics (algo dqn)
     moe/cv, moe/min_util, moe/max_util, moe/active_experts, moe/router_entropy,
     moe/router_entropy_norm, moe/health (healthy|warning|danger), moe/health_level (0|1|2),
     moe/dead_experts, moe/idle_experts, moe/marginal_entropy_norm, moe/collapse_updates (what the
@@ -40,8 +41,10 @@ from ray.rllib.core import ALL_MODULES, DEFAULT_MODULE_ID
 
 from moe_rl.core.metrics import GRADES
 
+PHASE_COLUMNS = ("sample_s", "check_s", "learn_s", "sync_s")   # moe_rl.algo.moe_algorithm's phases
 LEARNER_KEYS = ("policy_loss", "vf_loss", "entropy", "mean_kl_loss", "aux_loss", "z_loss")
-LEARNER_PREFIXES = ("moe/", "stability/", "correction/", "reinforce_router_loss", "replay/", "replay_anchor_loss")
+LEARNER_PREFIXES = ("moe/", "stability/", "correction/", "reinforce_router_loss", "replay/", "replay_anchor_loss",
+                    "qf_loss", "qf_mean", "td_error_mean")   # the last: DQN's TD loss and Q statistics
 
 
 def _float(v) -> float:
@@ -97,6 +100,8 @@ def metrics_row(result: Dict[str, Any]) -> Dict[str, Any]:
     row.update(task_columns(runners))
     for k, v in sorted(result.get("moe_rl", {}).items()):  # algorithm-level figures (drift, ...)
         row[k] = v if isinstance(v, str) else _float(v)
+    if "env_steps" in row:   # the iteration's phases summed over its training steps
+        row["env_steps_per_s"] = row.pop("env_steps") / max(sum(row.get(p, 0.0) for p in PHASE_COLUMNS), 1e-9)
     return row
 
 

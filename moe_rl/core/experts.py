@@ -93,6 +93,8 @@ DISPATCH_PATHS = ("auto", "dense", "gathered", "grouped", "sorted")
 
 
 class Experts(nn.Module):
+    PARAM_ROLE = "experts"   # moe_rl.core.param_groups
+
     def __init__(self, num_experts: int, d_model: int, d_ff: int, activation: str = "gelu"):
         super().__init__()
         need(activation in ACTIVATIONS, "activation", f"one of {tuple(ACTIVATIONS)}", activation)
@@ -118,6 +120,12 @@ class Experts(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on tokens x [T, d] (the definition every path computes)."""
         return self.act(F.linear(x, self.w1[e], self.b1[e])) @ self.w2[e] + self.b2[e]
+
+    def slot_forward(self, xs: torch.Tensor) -> torch.Tensor:
+        """xs [N, R, d]: R rows for each expert (a Soft MoE layer's slots) -> [N, R, d], expert e
+        on its own rows: two batched matrix products whatever N is."""
+        h = self.act(torch.baddbmm(self.b1.unsqueeze(1), xs, self.w1.transpose(1, 2)))
+        return torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)
 
     # --- dispatch paths ---------------------------------------------------------------------------
     def dense_dispatch(self, x, idx, w):

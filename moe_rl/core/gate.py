@@ -44,11 +44,17 @@ MISMATCH_LIMITS = {
     "k3": ("max", 1e-3),
     "max_abs_logp_diff": ("max", 1.0),
     "routing_agreement": ("min", 0.95),
+    # A Q-policy (moe_rl.core.drift_kinds): the rollout copy acts greedily on its Q-values, so a
+    # flipped greedy action is the mismatch that changes behaviour; the gap is over the Q scale.
+    "greedy_agreement": ("min", 0.98),
+    "q_gap_max_rel": ("max", 0.05),
+    # A Soft MoE layer: the total variation between the rollout's and the trainer's combine shares.
+    "combine_tv_max": ("max", 0.05),
 }
 # Update-sized signals, judged relative to the run's history. A candidate L updates ahead of the
 # last good weights (a hold) is compared with the limit x L^exponent: an update size adds up at
 # most linearly over L updates, a KL about quadratically.
-UPDATE_SIGNALS = {"update_size": 1, "k3_old_new": 2, "probe_flip_rate": 1}
+UPDATE_SIGNALS = {"update_size": 1, "k3_old_new": 2, "probe_flip_rate": 1, "q_change": 1}
 # The smallest scale each relative limit uses (the limit is at least median + z x floor): a history
 # of near-identical values must not make the next ordinary one a breach. A PPO update moves the
 # policy by a KL of ~0.01 and the weights by a few percent; a harmful one by orders of magnitude
@@ -57,10 +63,11 @@ UPDATE_SIGNALS = {"update_size": 1, "k3_old_new": 2, "probe_flip_rate": 1}
 # updates reached 0.21 over a median of 0.005, and three healthy MoE-APPO CartPole runs checked at
 # every update (630 checks) reached 0.32 over medians of 0.001-0.005, twice above the limit a
 # 0.03 floor gave. LR x 100 for one step moves the KL only to 0.08; update_size catches that one.
-SIGNAL_FLOORS = {"update_size": 0.01, "k3_old_new": 0.1, "probe_flip_rate": 0.05}
+SIGNAL_FLOORS = {"update_size": 0.01, "k3_old_new": 0.1, "probe_flip_rate": 0.05, "q_change": 0.1}
 
 CONSISTENCY_DEFAULTS: Dict[str, Any] = defaults(ConsistencySettings)   # moe_rl.core.sections
 ABSOLUTE_KEYS = tuple(MISMATCH_LIMITS) + tuple(UPDATE_SIGNALS)
+RATES = ("routing_agreement", "probe_flip_rate", "greedy_agreement", "combine_tv_max")   # in [0, 1]
 
 
 def validate_consistency(c: Mapping[str, Any]) -> ConsistencySettings:
@@ -85,7 +92,7 @@ def validate_consistency(c: Mapping[str, Any]) -> ConsistencySettings:
     need(isinstance(c["thresholds"], dict), "consistency.thresholds", "a mapping", c["thresholds"])
     for k, v in c["thresholds"].items():
         need(k in ABSOLUTE_KEYS, f"consistency.thresholds.{k}", f"one of {sorted(ABSOLUTE_KEYS)}", k)
-        ok = num(v) and v >= 0 and (v <= 1 if k in ("routing_agreement", "probe_flip_rate") else True)
+        ok = num(v) and v >= 0 and (v <= 1 if k in RATES else True)
         need(ok, f"consistency.thresholds.{k}", "a finite number >= 0 (<= 1 for rates and agreements)", v)
     need(num(c["relative_z"]) and c["relative_z"] > 0, "consistency.relative_z", "a number > 0", c["relative_z"])
     need(whole(c["relative_warmup"], 1), "consistency.relative_warmup", "an int >= 1", c["relative_warmup"])
@@ -161,6 +168,8 @@ class Verdict:
     lr_scale: float = 1.0               # for the next update (a rollback's retry runs slower)
     reason: str = ""                    # the reasons, one line
     headlines: Dict[str, str] = field(default_factory=dict)   # cause -> its worst breach (the log line)
+    lag: int = 0                        # updates the judged candidate was past the synced weights
+    figures: Dict[str, Any] = field(default_factory=dict)     # the check's headline figures (metrics.parquet)
 
     def __post_init__(self):
         self.reason = "; ".join(self.reasons)
@@ -278,6 +287,43 @@ class GateState:
         v.lr_scale = self.s.rollback_lr_scale ** self.rollbacks_in_a_row
         v.reason = "; ".join(v.reasons)
         return v
+
+    def judge(self, rows: Dict[str, Dict[str, Any]], lag: int, finite: bool, corrupt: List[str],
+              replicas: List[str], limits: Dict[str, Tuple[str, float]]) -> Verdict:
+        """One check's decision from its figures (per module, the consistency actor's rows): mismatch
+        at the same weights (absolute `limits`), bad updates (the run's own history of update-sized
+        signals, judged per update: the candidate is `lag + 1` updates past the last good weights,
+        lag being how far the learners were ahead before this update), hard faults. Each row gets
+        the decision's columns; a passing candidate's signals join the history."""
+        named = lambda mid, k: k if len(rows) == 1 else f"{mid}/{k}"   # noqa: E731
+        # A corrupt copy sampled this batch: its drift is that cause's, not mismatch.
+        mismatch = [] if corrupt else [(named(mid, k), v, t) for mid, row in rows.items()
+                                       for k, v, t in breaches(row, limits)]
+        signals, held, emptied = {}, {}, []
+        for mid, row in sorted(rows.items()):
+            empty = bool(row.pop("correction_emptied", False))
+            streak = row.pop("correction_in_a_row", 1)
+            if empty:
+                emptied.append(f"{mid}: the rollout correction kept no step of the update "
+                               f"({row['correction_skipped_steps']} steps skipped; {streak} updates in a row)")
+            for k, v in row.items():
+                if self.signal(k):   # an emptied update's figures are no history (below)
+                    (held if empty else signals)[f"{mid}|{k}"] = v
+        found = self.update_breaches(signals, lag + 1)
+        if lag > 0:   # an emptied update applied nothing, but the held updates before it still differ
+            found += self.update_breaches(held, lag)
+        bad = [(k.split("|", 1)[1] if len(rows) == 1 else k.replace("|", "/"), v, t) for k, v, t in found]
+        verdict = self.decide(finite=finite, bad_update=bad, mismatch=mismatch, corrupt=corrupt, replicas=replicas,
+                              all_rejected=emptied)
+        if verdict.decision in ("sync", "warn"):
+            self.accept(signals, lag + 1, {k for k, _, _ in found})
+        verdict.lag = lag + 1
+        for row in rows.values():
+            row.update({"decision": verdict.decision, "cause": ";".join(verdict.causes),
+                        "action": ";".join(verdict.actions), "reason": verdict.reason,
+                        "param_breach_lines": "\n".join(corrupt + replicas), "holds_in_a_row": self.holds_in_a_row,
+                        "rollbacks_in_a_row": self.rollbacks_in_a_row, "lr_scale_next": verdict.lr_scale})
+        return verdict
 
     def get_state(self) -> Dict[str, Any]:
         return {"limits": {k: list(l.values) for k, l in self.limits.items()}, "holds_in_a_row": self.holds_in_a_row,

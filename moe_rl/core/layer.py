@@ -52,6 +52,8 @@ class MoELayer(nn.Module):
         explore: let a sampling router sample.
     """
 
+    PARAM_ROLES = {"shared_expert": "shared_expert"}   # the router and experts declare their own
+
     def __init__(self, d_model: int, num_experts: int, top_k: int = 2, d_ff: Optional[int] = None, *,
                  router: str = "topk", temperature: float = 1.0, router_init: str = "normal",
                  router_init_std: Optional[float] = None, shared_expert: bool = False,

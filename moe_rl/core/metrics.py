@@ -38,6 +38,22 @@ def expert_counts(top_k_indices: torch.Tensor, num_experts: int) -> torch.Tensor
     return torch.bincount(top_k_indices.reshape(-1).long(), minlength=num_experts)
 
 
+# A Soft MoE expert always receives some weight (softmax), so "no state selected it" becomes "its
+# share of the combine weight fell below this fraction of an even share (1/N)": 1 % of even.
+SOFT_IDLE_SHARE = 0.01
+
+
+def graded_load(record, load: torch.Tensor) -> torch.Tensor:
+    """The load the balance figures and the grade judge: a sparse layer's assignment counts as
+    they are; a Soft MoE layer's combine weights with every expert below SOFT_IDLE_SHARE of an
+    even share counted as idle (0)."""
+    if not getattr(record, "soft", False):
+        return load
+    load = load.double()
+    share = load / load.sum().clamp_min(1e-30)
+    return load.masked_fill(share < SOFT_IDLE_SHARE / load.numel(), 0.0)
+
+
 def _grade(value: float, healthy, danger, higher_is_better: bool) -> int:
     if higher_is_better:
         return 0 if value > healthy else (2 if value < danger else 1)
@@ -96,10 +112,18 @@ def jaccard(a: torch.Tensor, b: torch.Tensor) -> float:
     return (inter / union).mean().item()
 
 
-def layer_health(record: RoutingRecord, counts: Optional[torch.Tensor] = None) -> Dict[str, float]:
+def layer_health(record, counts: Optional[torch.Tensor] = None) -> Dict[str, float]:
     """Scalar health metrics of one layer's routing record (the router's own choice). `counts`
-    ([N], e.g. summed over an update's minibatches) replaces the record's own for the load figures."""
-    out = balance_metrics(expert_counts(record.router_top_k, record.num_experts) if counts is None else counts)
+    ([N], e.g. summed over an update's minibatches) replaces the record's own for the load figures.
+    A Soft MoE layer: the load is the experts' combine weight, the per-state entropy that of each
+    observation's combine shares over the experts, and dispatch_entropy_norm how many tokens a slot
+    mixes (1: all of them alike)."""
+    out = balance_metrics(graded_load(record, record.expert_load() if counts is None else counts))
+    if getattr(record, "soft", False):
+        h = float(record.state_entropy_norm())
+        out.update({"router_entropy": h * math.log(record.num_experts), "router_entropy_norm": h,
+                    "dispatch_entropy_norm": float(record.dispatch_entropy_norm()), "replay_divergence": 0.0})
+        return out
     out.update(router_entropy(record.router_probs))
     # Under routing replay: the share of tokens whose own choice left the replayed experts.
     out["replay_divergence"] = flip_rate(record.top_k_indices, record.router_top_k)
@@ -109,14 +133,21 @@ def layer_health(record: RoutingRecord, counts: Optional[torch.Tensor] = None) -
 # How the per-layer values fold into the headline "worst layer" value.
 WORST_OF = {"min_util": min, "max_util": max, "cv": max, "active_experts": min, "load_grade": max,
             "health": max, "dead_experts": max, "idle_experts": max, "marginal_entropy_norm": min,
-            "collapse_updates": max, "router_entropy": min, "router_entropy_norm": min, "replay_divergence": max}
+            "collapse_updates": max, "router_entropy": min, "router_entropy_norm": min, "replay_divergence": max,
+            "dispatch_entropy_norm": min}
 
 
-def per_expert(record: RoutingRecord, counts: Optional[torch.Tensor] = None) -> Dict[str, float]:
-    """`util/e{j}` (share of the assignments), `logit_mean/e{j}`, `logit_std/e{j}` of one layer."""
-    counts = (expert_counts(record.router_top_k, record.num_experts) if counts is None else counts).double()
-    share = (counts / counts.sum().clamp_min(1)).tolist()
-    stats = logit_stats(record.router_logits.detach())
+def per_expert(record, counts: Optional[torch.Tensor] = None) -> Dict[str, float]:
+    """`util/e{j}` (share of the assignments; Soft MoE: of the combine weight), `logit_mean/e{j}`,
+    `logit_std/e{j}` (Soft MoE: of its slots' logits) of one layer."""
+    counts = (record.expert_load() if counts is None else counts).double()
+    share = (counts / counts.sum().clamp_min(1e-30)).tolist()
+    if getattr(record, "soft", False):   # [B, m, N p] -> [B m p, N]: each expert's slot logits
+        logits = record.logits.detach()
+        logits = logits.reshape(-1, record.num_experts, record.slots_per_expert).transpose(1, 2)
+        stats = logit_stats(logits.reshape(-1, record.num_experts))
+    else:
+        stats = logit_stats(record.router_logits.detach())
     out = {f"util/e{j}": v for j, v in enumerate(share)}
     for k in ("logit_mean", "logit_std"):
         out.update({f"{k}/e{j}": v for j, v in enumerate(stats[k])})
@@ -134,9 +165,10 @@ def health_summary(records: Iterable[RoutingRecord],
     before it); without one, the grade of this update alone (never `danger` for a dead expert)."""
     records = list(records)
     counts = list(counts) if counts is not None else [None] * len(records)
-    counts = [expert_counts(r.router_top_k, r.num_experts) if c is None else c for r, c in zip(records, counts)]
+    counts = [r.expert_load() if c is None else c for r, c in zip(records, counts)]
     per_layer = [layer_health(r, c) for r, c in zip(records, counts)]
-    graded = (watch or HealthWatch()).observe(counts, [m["router_entropy_norm"] for m in per_layer])
+    graded = (watch or HealthWatch()).observe([graded_load(r, c) for r, c in zip(records, counts)],
+                                              [m["router_entropy_norm"] for m in per_layer])
     for m, g in zip(per_layer, graded):
         m.update(g)
     out = {}
@@ -145,5 +177,7 @@ def health_summary(records: Iterable[RoutingRecord],
         if r.num_experts <= PER_EXPERT_MAX:
             out.update({f"moe/layer{i}/{k}": v for k, v in per_expert(r, c).items()})
     for key, worst in WORST_OF.items():
-        out[f"moe/{key}"] = worst(m[key] for m in per_layer)
+        values = [m[key] for m in per_layer if key in m]   # dispatch entropy: Soft MoE layers only
+        if values:
+            out[f"moe/{key}"] = worst(values)
     return out

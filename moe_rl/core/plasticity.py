@@ -6,7 +6,8 @@ on-policy PPO loses plasticity) shows a rising dormant share long before its ret
 
 Layers here are the feed-forward blocks of the policy trunk:
 - an MoE block's units are its experts' hidden units (N x d_ff). An expert's unit is measured on the
-  tokens routed to it; an expert nobody routes to has zero activity (all its units dormant).
+  tokens routed to it (a Soft MoE expert: on its slots); an expert nobody routes to has zero
+  activity (all its units dormant).
   Per block, the units are pooled over experts (normalised by the block's mean); per expert, by the
   expert's own mean (the expert is a small MLP of its own);
 - a dense block's units are the hidden units of its FFN (nn.Sequential(Linear, Activation, Linear)).
@@ -29,6 +30,7 @@ from torch import nn
 from moe_rl.core.experts import Activation
 from moe_rl.core.layer import MoELayer
 from moe_rl.core.param_groups import trained_modules
+from moe_rl.core.soft_moe import SoftMoELayer
 
 DEFAULT_TAU = 0.025
 
@@ -54,6 +56,18 @@ def expert_activity(layer: MoELayer, x: torch.Tensor, top_k_indices: torch.Tenso
     return out
 
 
+def soft_expert_activity(layer: SoftMoELayer, x: torch.Tensor) -> torch.Tensor:
+    """[N, d_ff] mean |hidden| of each Soft MoE expert's units over its slots (every expert sees
+    every observation's slots). x: the layer's input, [B, m, d] or [B, d]."""
+    tokens = x if x.dim() == 3 else x.unsqueeze(1)
+    B, _, d = tokens.shape
+    ex, p = layer.experts, layer.slots_per_expert
+    slots = layer.slot_logits(tokens).softmax(1).to(tokens.dtype).transpose(1, 2) @ tokens   # [B, N p, d]
+    rows = slots.view(B, ex.num_experts, p, d).transpose(0, 1).reshape(ex.num_experts, B * p, d)
+    h = ex.act(torch.baddbmm(ex.b1.unsqueeze(1), rows, ex.w1.transpose(1, 2)))
+    return h.abs().float().mean(1)
+
+
 class DormantProbe:
     """Forward hooks that record each feed-forward block's hidden activity during one forward."""
 
@@ -63,7 +77,7 @@ class DormantProbe:
         self._blocks: List[Tuple[str, object]] = []   # in forward order of registration (module order)
         self._handles = []
         for m in trained_modules(module):   # not a target network: it never runs here
-            if isinstance(m, MoELayer):
+            if isinstance(m, (MoELayer, SoftMoELayer)):
                 seen: list = []
                 self._blocks.append(("moe", (m, seen)))
                 self._handles.append(m.register_forward_hook(self._moe_hook(seen)))
@@ -76,6 +90,9 @@ class DormantProbe:
     @staticmethod
     def _moe_hook(seen):
         def hook(layer, args, output):
+            if isinstance(layer, SoftMoELayer):
+                seen.append(soft_expert_activity(layer, args[0].detach()))
+                return
             x = args[0].reshape(-1, layer.d_model).detach()
             seen.append(expert_activity(layer, x, output[1].top_k_indices.detach()))
         return hook

@@ -20,30 +20,53 @@ from torch import nn
 
 from moe_rl.core.encoders import ObservationEncoder
 from moe_rl.core.experts import Activation, tanh
-from moe_rl.core.layer import MoELayer
+from moe_rl.core.layer import MoELayer, dense_ffn_equal_active
 from moe_rl.core.routing import RoutingRecord
+from moe_rl.core.sections import MoESettings
+from moe_rl.core.soft_moe import SoftMoELayer
 
 
-def moe_layer_from_settings(s: dict) -> MoELayer:
-    """normalize_gates: a resolved bool (an RLModule resolves "auto"; unresolved it means true)."""
-    return MoELayer(s["d_model"], s["num_experts"], s["top_k"], s["d_ff"], router=s["router"],
-                    normalize_gates=s.get("normalize_gates", True) is not False,
-                    temperature=s["temperature"], router_init=s["router_init"],
-                    router_init_std=s["router_init_std"], shared_expert=s["shared_expert"],
-                    expert_dropout=s["expert_dropout"], capacity_factor=s["capacity_factor"],
-                    dispatch=s["dispatch"], activation=s["activation"], router_kwargs=s["router_kwargs"])
+def moe_layer_from_settings(s: MoESettings) -> nn.Module:
+    """The mixture of one block, by moe.mixture: a sparse MoELayer, a SoftMoELayer, or (dense) a
+    feed-forward layer of the sparse layer's active width. normalize_gates: a resolved bool (an
+    RLModule resolves "auto"; unresolved it means true)."""
+    if s.mixture == "soft":
+        return SoftMoELayer(s.d_model, s.num_experts, s.slots_per_expert, s.d_ff, activation=s.activation)
+    if s.mixture == "dense":
+        return DenseFFN(s.d_model, s.d_ff, s.top_k, s.activation)
+    return MoELayer(s.d_model, s.num_experts, s.top_k, s.d_ff, router=s.router,
+                    normalize_gates=s.normalize_gates is not False,
+                    temperature=s.temperature, router_init=s.router_init,
+                    router_init_std=s.router_init_std, shared_expert=s.shared_expert,
+                    expert_dropout=s.expert_dropout, capacity_factor=s.capacity_factor,
+                    dispatch=s.dispatch, activation=s.activation, router_kwargs=s.router_kwargs)
+
+
+class DenseFFN(nn.Module):
+    """mixture dense: one feed-forward layer of the sparse block's active width (top_k x d_ff), with
+    a block's interface (it records no routing)."""
+
+    def __init__(self, d_model: int, d_ff: int, top_k: int, activation: str):
+        super().__init__()
+        self.ffn = dense_ffn_equal_active(d_model, d_ff, top_k, activation)
+
+    def forward(self, x, replay_indices=None, task_ids=None, explore=False):
+        return self.ffn(x), None
 
 
 class MoEBlock(nn.Module):
-    """Pre-norm residual MoE sublayer: h + MoE(LN(h))."""
+    """Pre-norm residual MoE sublayer: h + MoE(LN(h)); h [B, d] or [B, m, d] (a Soft MoE's tokens)."""
 
-    def __init__(self, s: dict):
+    def __init__(self, s: MoESettings):
         super().__init__()
-        self.norm = nn.LayerNorm(s["d_model"])
+        self.norm = nn.LayerNorm(s.d_model)
         self.moe = moe_layer_from_settings(s)
 
     def forward(self, h, replay=None, task_ids=None, explore=False):
-        y, rec = self.moe(self.norm(h), replay_indices=replay, task_ids=task_ids, explore=explore)
+        if isinstance(self.moe, SoftMoELayer):   # mixes the tokens of each observation; routes by none of these
+            y, rec = self.moe(self.norm(h))
+        else:
+            y, rec = self.moe(self.norm(h), replay_indices=replay, task_ids=task_ids, explore=explore)
         return h + y, rec
 
 
@@ -61,18 +84,21 @@ def _replay_for(replay: Optional[torch.Tensor], i: int) -> Optional[torch.Tensor
 
 
 class MoEMLPTrunk(nn.Module):
-    """obs -> encoder (moe_rl.core.encoders: flat vector, or a CNN for images) -> tanh(Linear) -> L
-    residual MoE blocks -> features [B, d]. The encoder also reads the task id (task_slice) that the
-    task-conditioned router routes on. An int stands for a flat vector of that length."""
+    """obs -> encoder (moe_rl.core.encoders: flat vector, or a CNN for images; one token, or one
+    per position of the CNN's feature map) -> tanh(Linear) per token -> L residual MoE blocks ->
+    (tokens: mean over them) -> features [B, d]. The encoder also reads the task id (task_slice)
+    that the task-conditioned router routes on. An int stands for a flat vector of that length.
+    Records: one per MoE layer (none for mixture dense)."""
 
-    def __init__(self, encoder: Union[int, ObservationEncoder], s: dict, task_slice: Optional[Sequence[int]] = None):
+    def __init__(self, encoder: Union[int, ObservationEncoder], s: MoESettings,
+                 task_slice: Optional[Sequence[int]] = None):
         super().__init__()
         if isinstance(encoder, int):
             encoder = ObservationEncoder(gym.spaces.Box(-np.inf, np.inf, (encoder,)), "flat", task_slice)
         self.encoder = encoder
-        self.embed = nn.Linear(encoder.out_dim, s["d_model"])
-        self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s["num_layers"]))
-        self.checkpointing = s["activation_checkpointing"]
+        self.embed = nn.Linear(encoder.out_dim, s.d_model)
+        self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s.num_layers))
+        self.checkpointing = s.activation_checkpointing
 
     def forward(self, obs, replay: Optional[torch.Tensor] = None, explore: bool = False):
         features, task_ids = self.encoder(obs)
@@ -80,8 +106,9 @@ class MoEMLPTrunk(nn.Module):
         records: List[RoutingRecord] = []
         for i, block in enumerate(self.blocks):
             h, rec = maybe_checkpoint(self.checkpointing, block, h, _replay_for(replay, i), task_ids, explore)
-            records.append(rec)
-        return h, records
+            if rec is not None:
+                records.append(rec)
+        return (h.mean(1) if h.dim() == 3 else h), records
 
 
 class CausalSelfAttention(nn.Module):
@@ -116,18 +143,18 @@ class MoETransformerTrunk(nn.Module):
     """obs {"tokens": [B, T] int (0 = padding, tokens shifted by +1), "position": [B] int number of
     filled tokens} -> features [B, d] at the current position (a BOS slot precedes the history)."""
 
-    def __init__(self, vocab_size: int, s: dict):
+    def __init__(self, vocab_size: int, s: MoESettings):
         super().__init__()
-        d, self.max_len = s["d_model"], s["max_seq_len"]
-        relative = s["positions"] == "relative"
+        d, self.max_len = s.d_model, s.max_seq_len
+        relative = s.positions == "relative"
         self.tok = nn.Embedding(vocab_size + 2, d)        # 0 pad, 1 BOS, 2.. tokens
         self.pos = None if relative else nn.Embedding(self.max_len + 1, d)
-        self.attn_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(s["num_layers"]))
-        self.attns = nn.ModuleList(CausalSelfAttention(d, s["num_heads"], self.max_len if relative else None)
-                                   for _ in range(s["num_layers"]))
-        self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s["num_layers"]))
+        self.attn_norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(s.num_layers))
+        self.attns = nn.ModuleList(CausalSelfAttention(d, s.num_heads, self.max_len if relative else None)
+                                   for _ in range(s.num_layers))
+        self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s.num_layers))
         self.final_norm = nn.LayerNorm(d)
-        self.checkpointing = s["activation_checkpointing"]
+        self.checkpointing = s.activation_checkpointing
 
     def _layer(self, i, h, filled, last, replay, explore):
         """Attention then MoE over every position; the record keeps the current position's routing
@@ -196,10 +223,10 @@ def policy_head(kind: str, d: int, out: int) -> nn.Module:
     return head
 
 
-def mlp(sizes: Sequence[int], out: int) -> nn.Sequential:
+def mlp(sizes: Sequence[int], out: int, activation: str = "tanh") -> nn.Sequential:
     layers, prev = [], sizes[0]
     for h in sizes[1:]:
-        layers += [nn.Linear(prev, h), Activation("tanh")]
+        layers += [nn.Linear(prev, h), Activation(activation)]
         prev = h
     layers.append(nn.Linear(prev, out))
     return nn.Sequential(*layers)

@@ -45,6 +45,7 @@ class Router(nn.Module):
     """
 
     samples_when_exploring = False   # True: exploring rollouts draw experts at random
+    PARAM_ROLE = "router"            # moe_rl.core.param_groups
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, temperature: float = 1.0,
                  init: str = "normal", init_std: Optional[float] = None, normalize_gates: bool = True,

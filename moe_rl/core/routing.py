@@ -63,6 +63,11 @@ class RoutingRecord:
         """The record of a subset of the tokens (every per-token field indexed alike)."""
         return self._map(lambda t: t[index])
 
+    def expert_load(self) -> torch.Tensor:
+        """[N] assignments per expert of the router's own choice (what the balance figures and the
+        health grade read; a Soft MoE record gives its experts' combine weight instead)."""
+        return torch.bincount(self.router_top_k.reshape(-1).long(), minlength=self.num_experts)
+
     def encoded_top_k(self) -> torch.Tensor:
         """[T, k] what the rollouts record per step: the dispatched experts, a dropped assignment e
         stored as -(e + 1) so a replay can drop it too (decode_top_k inverts it)."""

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Union
 
 # The stability toolkit's per-group clip factors: a group's threshold is grad_clip x its factor.
 DEFAULT_CLIP_FACTORS = {"router": 0.5, "shared_expert": 2.0, "experts": 3.0,
-                        "policy_head": 1.0, "value_head": 1.0, "other": 1.0}
+                        "policy_head": 1.0, "value_head": 1.0, "q_head": 1.0, "other": 1.0}
 
 
 def setting(default: Any, doc: str):
@@ -266,8 +266,9 @@ class ConsistencySettings(Section):
     policy: str = setting('warn', "what a bad update does: warn | hold | rollback.")
     thresholds: Dict[str, float] = setting(
         {},
-        "absolute limits: k3, max_abs_logp_diff, routing_agreement (mismatch); update_size, "
-        "k3_old_new, probe_flip_rate (absolute caps, off by default).")
+        "absolute limits: k3, max_abs_logp_diff, routing_agreement, greedy_agreement, q_gap_max_rel, "
+        "combine_tv_max (mismatch); update_size, k3_old_new, q_change, probe_flip_rate (absolute caps, "
+        "off by default).")
     relative_z: float = setting(8.0, "a bad update is a value > median + z * scale of the run's accepted values.")
     relative_warmup: int = setting(5, "checks before the relative limits apply.")
     relative_window: int = setting(50, "accepted values kept per signal.")

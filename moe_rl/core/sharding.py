@@ -35,18 +35,19 @@ _CANONICAL = {"w1": ("fc1.weight", False), "b1": ("fc1.bias", False), "w2": ("fc
 _FROM_CANONICAL = {v[0]: (k, v[1]) for k, v in _CANONICAL.items()}
 
 
-def _canonical_items(state: Mapping):
+def _canonical_items(state: Mapping, sources: bool = False):
     """(canonical name, value, transpose) per entry: a stacked expert tensor as its N pieces
     (transpose: whether the canonical layout is the piece transposed), every other entry as is
-    (transpose None)."""
+    (transpose None). sources: the entry's own name last."""
     for name, value in state.items():
         m = _STACKED.match(name)
         if not m:
-            yield name, value, None
+            yield (name, value, None, name) if sources else (name, value, None)
             continue
         suffix, transpose = _CANONICAL[m.group(2)]
         for e in range(value.shape[0]):
-            yield f"{m.group(1)}.experts.{e}.{suffix}", value[e], transpose
+            canonical = f"{m.group(1)}.experts.{e}.{suffix}"
+            yield (canonical, value[e], transpose, name) if sources else (canonical, value[e], transpose)
 
 
 def unstack_experts(state: Mapping) -> Dict:
@@ -66,7 +67,13 @@ def unstack_experts(state: Mapping) -> Dict:
 def canonical_views(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Like unstack_experts, but views into the (torch) tensors, never copies: writing a view
     writes the module's own storage (a collective sync receives into them)."""
-    return {name: piece.transpose(0, 1) if transpose else piece for name, piece, transpose in _canonical_items(state)}
+    return {name: view for name, _, view in canonical_view_items(state)}
+
+
+def canonical_view_items(state: Mapping[str, torch.Tensor]):
+    """(canonical name, the entry's own name, view) per canonical entry (see canonical_views)."""
+    for name, piece, transpose, source in _canonical_items(state, sources=True):
+        yield name, source, (piece.transpose(0, 1) if transpose else piece)
 
 
 def stack_experts(state: Mapping, stacked_names: Optional[Iterable[str]] = None) -> Dict:

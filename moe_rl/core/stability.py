@@ -24,7 +24,7 @@ import torch
 
 from moe_rl.core.gradients import Lamb, orthonormal_basis, project_, winsorize_
 from moe_rl.core.lr_schedules import GroupLR, positive_int, validate_schedule
-from moe_rl.core.param_groups import PARAM_GROUPS, param_group
+from moe_rl.core.param_groups import PARAM_GROUPS
 from moe_rl.core.sections import DEFAULT_CLIP_FACTORS, StabilitySettings, defaults
 from moe_rl.core.settings import _is_int, _is_num, _need
 
@@ -140,17 +140,18 @@ class StabilityToolkit:
     """Per-module gradient pipeline and per-group optimizer setup.
 
     named_params: (name, parameter) of the module (this learner's shard under expert parallelism).
-    is_expert: name -> whether the tensor is an expert shard (its norm must be summed over shards).
+    group_of: name -> parameter group, as the module declares it (moe_rl.core.param_groups.param_roles);
+    an "experts" tensor is a shard under expert parallelism (its norm is summed over the shards).
     all_reduce_sum / world_size / ep_size: the learners' collective; None for a single learner.
     """
 
     def __init__(self, settings: StabilitySettings, named_params: Iterable[Tuple[str, torch.nn.Parameter]],
-                 is_expert: Callable[[str], bool] = lambda name: False,
-                 all_reduce_sum: Optional[Collective] = None, world_size: int = 1, ep_size: int = 1):
+                 group_of: Mapping[str, str], all_reduce_sum: Optional[Collective] = None, world_size: int = 1,
+                 ep_size: int = 1):
         self.s = settings
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
-        self.group_of = {n: param_group(n) for n, _ in self.named}
-        self.expert = {n: bool(is_expert(n)) for n, _ in self.named}
+        self.group_of = {n: group_of.get(n, "other") for n, _ in self.named}
+        self.expert = {n: self.group_of[n] == "experts" for n, _ in self.named}
         self.groups = [g for g in PARAM_GROUPS if g in self.group_of.values()]
         # Each tensor's slot in the collective vector (see _process), fixed for the toolkit's life.
         self._slots = torch.tensor([1 + 2 * self.groups.index(self.group_of[n]) + int(self.expert[n])

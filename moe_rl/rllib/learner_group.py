@@ -140,8 +140,8 @@ class MoELearnerGroup(LearnerGroupOps, LearnerGroup):
 
     def publishers(self, fn, **kwargs):
         if self.is_local:
-            return [fn(self._learner, **kwargs)]
-        first = self._worker_manager.actor_ids()[:1]
+            return [fn(ray_private.local_learner(self), **kwargs)]
+        first = ray_private.first_remote_learner_id(self)
         return [r.get() for r in self.foreach_learner(fn, remote_actor_ids=first, **kwargs)]
 
     def trainer_view(self, data, replay: Optional[bool] = None):

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import gymnasium as gym
 import numpy as np
@@ -28,14 +28,21 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI, ValueFunctionAPI
 from ray.rllib.core.rl_module.torch import TorchRLModule
 from torch import nn
 
-from moe_rl.core.encoders import ObservationEncoder
+from moe_rl.core.drift_kinds import PolicyKind
+from moe_rl.core.encoders import ObservationEncoder, uses_position_tokens
 from moe_rl.core.errors import ConfigError
+from moe_rl.core.param_groups import trained_modules
 from moe_rl.core.plasticity import trunk_dormancy
 from moe_rl.core.policy import MoEMLPTrunk, MoETransformerTrunk, mlp, policy_head
+from moe_rl.core.routers import Router
 from moe_rl.core.sections import MoESettings
 from moe_rl.core.settings import MOE_DEFAULTS, resolve_gate_normalization, validate_moe
+from moe_rl.core.stability import expert_dropout_off
 
-MOE_TOPK = "moe_topk"          # [B, L, k] top-k experts per MoE layer, recorded at rollout time
+MOE_TOPK = "moe_topk"          # [B, L, k] top-k experts per MoE layer, recorded at rollout time (sparse)
+MOE_COMBINE = "moe_combine"    # [B, L, N] each expert's share of the output per Soft MoE layer, recorded
+                               # at rollout time (mixture soft)
+MOE_Q = "moe_q"                # [B, A] a Q-policy's Q-values, recorded at rollout time (the check's)
 MOE_ROUTING = "moe_routing"    # list of RoutingRecord (train forward only; stays on the learner)
 MOE_REPLAY = "moe_replay"      # [B, L, k] what training replays (routing_replay "mismatched": OWN_CHOICE
                                # rows leave the token to the router); absent: MOE_TOPK, all of it
@@ -56,10 +63,10 @@ def replay_mode(s: Dict[str, Any], token_policy: bool = False) -> Optional[str]:
     mismatched where the rollout copy computes in another dtype (bf16 flips near-ties; full when
     there is also a capacity limit: only a full replay carries the rollout's drops), none for an
     exact fp32 copy."""
-    mode = s["routing_replay"]
+    mode = s.routing_replay
     if mode == "auto":
-        exact = s["inference_dtype"] == "fp32"
-        if s["router"] == "reinforce" or (s["capacity_factor"] is not None and not (token_policy and exact)):
+        exact = s.inference_dtype == "fp32"
+        if s.router == "reinforce" or (s.capacity_factor is not None and not (token_policy and exact)):
             return "full"
         return None if exact else "mismatched"
     if mode == "mismatched":
@@ -67,9 +74,13 @@ def replay_mode(s: Dict[str, Any], token_policy: bool = False) -> Optional[str]:
     return "full" if mode else None
 
 
-class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
+class MoEModule(TorchRLModule):
+    """What every moe-rl RLModule shares: the checked MoE settings, the MoE trunk for vector and
+    image observations, the rollout copy's numeric setup, and what a forward records of its
+    routing. The policy module (below) and the Q-module (moe_rl.rllib.q_module) add their heads."""
+
     @property
-    def moe_settings(self) -> Dict[str, Any]:
+    def moe_settings(self) -> MoESettings:
         # Typed when the module comes from a validated config (checked there); a plain mapping (a
         # module built from a spec by hand) is checked here, once: the learner reads them at every
         # minibatch.
@@ -79,50 +90,23 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
                                                           else {**MOE_DEFAULTS, **given})
         return self.__dict__["_moe_settings"]
 
-    def setup(self):
+    def mlp_trunk(self, s: MoESettings) -> MoEMLPTrunk:
+        """The trunk for vector and image observations (moe.encoder, moe.tokens)."""
+        tokens = uses_position_tokens(s.tokens, s.mixture, self.observation_space)
+        return MoEMLPTrunk(ObservationEncoder(self.observation_space, s.encoder, s.task_slice, tokens), s)
+
+    def set_inference_dtype(self, *parts: nn.Module) -> None:
+        """The rollout copy's numeric setup (moe.inference_dtype): a bf16 copy is a real source of
+        training-inference drift that the consistency check must be able to see."""
         s = self.moe_settings
-        obs_space = self.observation_space
-        self.is_token_policy = isinstance(obs_space, gym.spaces.Dict) and TOKEN_OBS_KEYS <= set(obs_space.spaces)
-        # Training forwards replay in either mode (the trainer's view at the rollout's weights too:
-        # there a partial replay is a full one).
-        self.replay_mode = replay_mode(s, self.is_token_policy)
-        s = dataclasses.replace(s, normalize_gates=resolve_gate_normalization(s, self.replay_mode == "full"))
-        if self.is_token_policy:
-            vocab = int(obs_space["tokens"].high.max()) + 1
-            length = int(obs_space["tokens"].shape[0])
-            if s["positions"] == "learned" and length > s["max_seq_len"]:
-                raise ConfigError(f"moe.max_seq_len: must be >= the observation's {length} tokens under "
-                                  f"moe.positions 'learned' (or set moe.positions: relative), got {s['max_seq_len']}")
-            self.trunk = MoETransformerTrunk(vocab, s)
-            vf_in = int(np.prod(obs_space["tokens"].shape)) + 1
-        else:
-            self.trunk = MoEMLPTrunk(ObservationEncoder(obs_space, s["encoder"], s["task_slice"]), s)
-            vf_in = self.trunk.encoder.out_dim
-            if self.trunk.encoder.cnn is not None and not self.inference_only:
-                # The value function shares nothing with the policy: an encoder of its own (value
-                # passes never route tokens, and the rollout copy drops both).
-                self.vf_encoder = ObservationEncoder(obs_space, "conv")
-        if isinstance(self.action_space, gym.spaces.Discrete):
-            self.pi = policy_head(s["policy_head"], s["d_model"], int(self.action_space.n))
-            self.log_std = None
-        else:
-            act_dim = int(np.prod(self.action_space.shape))
-            self.pi = policy_head(s["policy_head"], s["d_model"], act_dim)
-            self.log_std = nn.Parameter(torch.zeros(act_dim))
-        if not self.inference_only:
-            self.vf = mlp([vf_in, *s["vf_hiddens"]], 1)
-        self.topk_dtype = topk_dtype(s["num_experts"])
+        self.topk_dtype = topk_dtype(s.num_experts)
         self.compute_dtype = torch.float32
-        if self.inference_only and s["inference_dtype"] == "bf16":
+        if self.inference_only and s.inference_dtype == "bf16":
             self.compute_dtype = torch.bfloat16
-            self.trunk.to(torch.bfloat16)
-            self.pi.to(torch.bfloat16)
+            for part in parts:
+                part.to(torch.bfloat16)
         if self.inference_only:
             self.eval()   # a rollout copy never trains; RLlib's per-forward eval() is then a no-op
-
-    @property
-    def replay_routing(self) -> bool:
-        return self.replay_mode is not None
 
     def train(self, mode: bool = True):
         # RLlib calls eval()/train() around every forward pass; nn.Module's recursive walk over the
@@ -137,18 +121,78 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
             self.__dict__["_all_modules"] = list(self.modules())
         return self.__dict__["_all_modules"]
 
+    def _trunk_input(self, obs):
+        if getattr(self, "is_token_policy", False):
+            return obs
+        if isinstance(obs, dict):   # an image with its task vector (uint8 grids become floats here)
+            return {k: v.to(self.compute_dtype) for k, v in obs.items()}
+        if torch.is_floating_point(obs):
+            # A NaN/Inf observation must not crash the rollout actor (NaN action probabilities);
+            # it acts on zeros here and its episode is dropped before learning (moe_rl.core.sample_filter).
+            obs = torch.nan_to_num(obs, nan=0.0, posinf=0.0, neginf=0.0)
+        return obs.to(self.compute_dtype)
+
+    def routing_outputs(self, records) -> Dict[str, torch.Tensor]:
+        """What a forward records of its routing, by mixture: the encoded top-k [B, L, k] (sparse,
+        MOE_TOPK), each expert's combine share [B, L, N] (soft, MOE_COMBINE), nothing (dense)."""
+        if not records:
+            return {}
+        if getattr(records[0], "soft", False):
+            return {MOE_COMBINE: torch.stack([r.encoded() for r in records], 1).float()}
+        return {MOE_TOPK: torch.stack([r.encoded_top_k() for r in records], 1).to(self.topk_dtype)}
+
+
+class MoEPolicyModule(MoEModule, ValueFunctionAPI, InferenceOnlyAPI):
+    PARAM_ROLES = {"pi": "policy_head", "log_std": "policy_head", "vf": "value_head", "vf_encoder": "value_head"}
+
+    def setup(self):
+        s = self.moe_settings
+        obs_space = self.observation_space
+        self.is_token_policy = isinstance(obs_space, gym.spaces.Dict) and TOKEN_OBS_KEYS <= set(obs_space.spaces)
+        # Training forwards replay in either mode (the trainer's view at the rollout's weights too:
+        # there a partial replay is a full one).
+        self.replay_mode = replay_mode(s, self.is_token_policy)
+        s = dataclasses.replace(s, normalize_gates=resolve_gate_normalization(s, self.replay_mode == "full"))
+        if self.is_token_policy:
+            if s.mixture != "sparse":
+                raise ConfigError(f"moe.mixture: sparse for token-sequence observations (the causal transformer's "
+                                  f"feed-forward layers route one position each; a {s.mixture} mixture over a "
+                                  f"sequence would let a position read later ones), got {s.mixture!r}")
+            vocab = int(obs_space["tokens"].high.max()) + 1
+            length = int(obs_space["tokens"].shape[0])
+            if s.positions == "learned" and length > s.max_seq_len:
+                raise ConfigError(f"moe.max_seq_len: must be >= the observation's {length} tokens under "
+                                  f"moe.positions 'learned' (or set moe.positions: relative), got {s.max_seq_len}")
+            self.trunk = MoETransformerTrunk(vocab, s)
+            vf_in = int(np.prod(obs_space["tokens"].shape)) + 1
+        else:
+            self.trunk = self.mlp_trunk(s)
+            vf_in = self.trunk.encoder.out_dim * self.trunk.encoder.num_tokens
+            if self.trunk.encoder.cnn is not None and not self.inference_only:
+                # The value function shares nothing with the policy: an encoder of its own (value
+                # passes never route tokens, and the rollout copy drops both).
+                self.vf_encoder = ObservationEncoder(obs_space, "conv")
+                vf_in = self.vf_encoder.out_dim
+        if isinstance(self.action_space, gym.spaces.Discrete):
+            self.pi = policy_head(s.policy_head, s.d_model, int(self.action_space.n))
+            self.log_std = None
+        else:
+            act_dim = int(np.prod(self.action_space.shape))
+            self.pi = policy_head(s.policy_head, s.d_model, act_dim)
+            self.log_std = nn.Parameter(torch.zeros(act_dim))
+        if not self.inference_only:
+            self.vf = mlp([vf_in, *s.vf_hiddens], 1)
+        self.set_inference_dtype(self.trunk, self.pi)
+
+    @property
+    def replay_routing(self) -> bool:
+        return self.replay_mode is not None
+
     # --- InferenceOnlyAPI -------------------------------------------------------------------------
     def get_non_inference_attributes(self) -> List[str]:
         return ["vf", "vf_encoder"] if hasattr(self, "vf_encoder") else ["vf"]
 
     # --- forward passes ---------------------------------------------------------------------------
-    def _trunk_input(self, obs):
-        if self.is_token_policy:
-            return obs
-        if isinstance(obs, dict):   # an image with its task vector (uint8 grids become floats here)
-            return {k: v.to(self.compute_dtype) for k, v in obs.items()}
-        return obs.to(self.compute_dtype)
-
     def _policy(self, batch: Dict[str, Any], replay=None, explore: bool = False, trunk=None, pi=None):
         """(action-dist inputs, routing records) of the policy path; trunk / pi: another copy of it
         (APPO's target policy) in place of the trained one."""
@@ -165,18 +209,14 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def _forward(self, batch: Dict[str, Any], explore: bool = False, **kwargs) -> Dict[str, Any]:
         obs = batch[Columns.OBS]
-        if torch.is_tensor(obs) and torch.is_floating_point(obs):
-            # A NaN/Inf observation must not crash the rollout actor (NaN action probabilities);
-            # it acts on zeros here and its episode is dropped before learning (moe_rl.core.sample_filter).
-            obs = torch.nan_to_num(obs, nan=0.0, posinf=0.0, neginf=0.0)
         compiled = self._compiled_rollout()
-        logits, topk = compiled(obs) if compiled is not None else self._rollout_outputs(obs, explore)
-        return {Columns.ACTION_DIST_INPUTS: logits, MOE_TOPK: topk}
+        logits, routing = compiled(obs) if compiled is not None else self._rollout_outputs(obs, explore)
+        return {Columns.ACTION_DIST_INPUTS: logits, **routing}
 
     def _rollout_outputs(self, obs, explore: bool = False):
-        """obs -> (logits, encoded top-k [B, L, k]): what a rollout records per step."""
+        """obs -> (logits, routing): what a rollout records per step (routing_outputs)."""
         logits, records = self._policy({Columns.OBS: obs}, explore=explore)
-        return logits, torch.stack([r.encoded_top_k() for r in records], 1).to(self.topk_dtype)
+        return logits, self.routing_outputs(records)
 
     def _compiled_rollout(self):
         """_rollout_outputs through torch.compile for a rollout copy under moe.rollout_compile, else
@@ -187,7 +227,7 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         so one compiled step serves exploration and evaluation alike."""
         if "_compiled_step" not in self.__dict__:
             s = self.moe_settings
-            wanted = (self.inference_only and s["rollout_compile"] and s["router"] != "reinforce"
+            wanted = (self.inference_only and s.rollout_compile and s.router != "reinforce"
                       and not self.is_token_policy)
             self.__dict__["_compiled_step"] = torch.compile(self._rollout_outputs) if wanted else None
         return self.__dict__["_compiled_step"]
@@ -197,8 +237,31 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
 
     def _forward_train(self, batch: Dict[str, Any], **kwargs) -> Dict[str, Any]:
         logits, records = self._policy(batch, self._training_replay(batch))
-        return {Columns.ACTION_DIST_INPUTS: logits, MOE_ROUTING: records,
-                MOE_TOPK: torch.stack([r.encoded_top_k() for r in records], 1)}
+        return {Columns.ACTION_DIST_INPUTS: logits, MOE_ROUTING: records, **self.routing_outputs(records)}
+
+    # --- the consistency check -------------------------------------------------------------------
+    @property
+    def policy_kind(self) -> PolicyKind:
+        """What the check compares for this module (moe_rl.core.drift_kinds)."""
+        return PolicyKind("categorical", ROUTING_KIND[self.moe_settings.mixture],
+                          isinstance(self.action_space, gym.spaces.Discrete))
+
+    def check_view(self, d: Mapping[str, Any], replay: Optional[bool] = None) -> Dict[str, np.ndarray]:
+        """The training path's forward on rollout data, without gradient or expert dropout:
+        d {"obs", optional "actions", optional "routing"} (numpy) -> action-dist inputs (`logits`),
+        the log-probs of the given actions (`logp`), the routing (`routing`: top-k or combine
+        shares per layer) and, for a sparse layer, its greedy top-k margin (`margin`). replay None:
+        as this module trains (its own routing_replay); False: the router's own choice."""
+        batch = {Columns.OBS: tree.map_structure(copied_tensor, d["obs"])}
+        if (self.replay_routing if replay is None else replay) and d.get("routing") is not None:
+            batch[MOE_TOPK] = copied_tensor(d["routing"])
+        with torch.no_grad(), expert_dropout_off(self):   # dropout is a training perturbation
+            logits, records = self._policy(batch, self._training_replay(batch))
+            view = {"logits": logits.float().numpy(), **routing_view(self.trunk, records)}
+            if d.get("actions") is not None:
+                dist = self.get_train_action_dist_cls().from_logits(logits)
+                view["logp"] = dist.logp(copied_tensor(d["actions"])).double().numpy()
+        return view
 
     # --- ValueFunctionAPI -------------------------------------------------------------------------
     def compute_values(self, batch: Dict[str, Any], embeddings=None):
@@ -210,6 +273,27 @@ class MoEPolicyModule(TorchRLModule, ValueFunctionAPI, InferenceOnlyAPI):
         return self.vf(obs.float().reshape(obs.shape[0], -1)).squeeze(-1)
 
 
+ROUTING_KIND = {"sparse": "sparse", "soft": "soft", "dense": "none"}   # mixture -> what the check compares
+
+
+def copied_tensor(x) -> torch.Tensor:
+    """A tensor of its own: numpy arrays from Ray's object store are read-only, and torch warns
+    about sharing their memory."""
+    return torch.from_numpy(np.array(x))
+
+
+def routing_view(trunk, records) -> Dict[str, np.ndarray]:
+    """A check's routing figures of a forward: sparse, the encoded top-k [T, L, k] and each layer's
+    greedy top-k margin [T, L]; soft, each expert's combine share [T, L, N]; dense, none."""
+    if not records:
+        return {}
+    if getattr(records[0], "soft", False):
+        return {"routing": torch.stack([r.encoded() for r in records], 1).float().numpy()}
+    routers = [m for m in trained_modules(trunk) if isinstance(m, Router)]
+    return {"routing": torch.stack([r.encoded_top_k() for r in records], 1).numpy().astype(np.int16),
+            "margin": torch.stack([r.top_k_margin(rec.router_logits) for r, rec in zip(routers, records)], 1).numpy()}
+
+
 DORMANT_ROWS = 1024   # the dormant-unit probe's rows: one extra forward of at most this many per update
 
 
@@ -217,5 +301,5 @@ def module_dormancy(module, obs) -> Dict[str, float]:
     """moe/dormant, moe/layer{i}/dormant and .../dormant/e{j}: the tau-dormant share of the policy
     trunk's feed-forward units (moe_rl.core.plasticity) on at most DORMANT_ROWS observations."""
     obs = tree.map_structure(lambda x: x[:DORMANT_ROWS], obs)
-    figures = trunk_dormancy(module, lambda: module.forward_inference({Columns.OBS: obs}))
+    figures = trunk_dormancy(module.trunk, lambda: module.forward_inference({Columns.OBS: obs}))
     return {f"moe/{k}": v for k, v in figures.items()}

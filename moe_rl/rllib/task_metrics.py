@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from ray.rllib.callbacks.callbacks import RLlibCallback
 
-from moe_rl.rllib.rl_module import MOE_TOPK
+from moe_rl.rllib.rl_module import MOE_COMBINE, MOE_TOPK
 
 PER_EXPERT_MAX = 64   # the metrics row's per-expert columns stop here too (tasks x layers x experts)
 
@@ -60,12 +60,20 @@ class TaskEpisodeMetrics(RLlibCallback):
         if "segment" in info:
             metrics_logger.log_value("task_segment", int(info["segment"]), reduce="max")
         num_experts = _num_experts(rl_module)
-        if num_experts is None or num_experts > PER_EXPERT_MAX or MOE_TOPK not in episode.extra_model_outputs:
+        if num_experts is None or num_experts > PER_EXPERT_MAX:
             return
-        topk = np.concatenate([np.asarray(c.get_extra_model_outputs(MOE_TOPK)) for c in chunks if len(c)])
-        for layer, counts in enumerate(expert_counts(topk, num_experts)):
+        recorded = episode.extra_model_outputs
+        if MOE_TOPK in recorded:      # sparse: assignments per expert
+            topk = np.concatenate([np.asarray(c.get_extra_model_outputs(MOE_TOPK)) for c in chunks if len(c)])
+            loads = expert_counts(topk, num_experts)
+        elif MOE_COMBINE in recorded:  # soft: combine weight per expert, summed over the steps
+            loads = np.concatenate([np.asarray(c.get_extra_model_outputs(MOE_COMBINE)) for c in chunks
+                                    if len(c)]).sum(0)
+        else:
+            return
+        for layer, counts in enumerate(loads):
             for e, n in enumerate(counts):
-                metrics_logger.log_value(f"{key}/experts/layer{layer}/e{e}", int(n), reduce="sum")
+                metrics_logger.log_value(f"{key}/experts/layer{layer}/e{e}", float(n), reduce="sum")
 
 
 def _num_experts(rl_module):

@@ -17,14 +17,9 @@ from ray.rllib.core.rl_module.apis import InferenceOnlyAPI
 from torch.nn.utils import get_total_norm
 
 from moe_rl.core.digests import Sample, state_digests
-from moe_rl.core.param_groups import param_group
-from moe_rl.core.sharding import assemble_modules, canonical_views, stack_experts
-
-
-def copied_tensor(x) -> torch.Tensor:
-    """A tensor of its own: numpy arrays from Ray's object store are read-only, and torch warns
-    about sharing their memory."""
-    return torch.from_numpy(np.array(x))
+from moe_rl.core.param_groups import param_roles
+from moe_rl.core.sharding import assemble_modules, canonical_view_items, canonical_views, stack_experts
+from moe_rl.rllib.rl_module import copied_tensor
 
 
 def all_finite(tensors) -> bool:
@@ -51,7 +46,12 @@ class WeightPublisher:
         """{module_id: {global name: tensor}}: this learner's part of the published weights, stacked
         experts in their canonical per-expert form (moe_rl.core.sharding), as views of its live
         tensors. A single learner (or one data-parallel replica of many) publishes everything."""
-        return {mid: canonical_views(self.local_state(mid, inference_only)) for mid in self.module.keys()}
+        return {mid: {name: t for name, _, t in self.published_items(mid, inference_only, everything)}
+                for mid in self.module.keys()}
+
+    def published_items(self, module_id: str, inference_only: bool = True, everything: bool = False):
+        """(global name, the module's own name, live tensor) of this learner's part of one module."""
+        return canonical_view_items(self.local_state(module_id, inference_only))
 
     def shard(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, np.ndarray]]:
         """published() as numpy (sharing a CPU tensor's memory: ray.put and checkpoints copy it)."""
@@ -82,14 +82,15 @@ class WeightPublisher:
         reference = self._synced_part if reference is None else reference
         out: Dict[str, Any] = {"finite": all_finite(p for mid in self.module.keys()
                                                     for p in self.plain_module(mid).parameters()), "terms": {}}
-        for mid, state in self.published().items():
+        for mid in self.module.keys():
+            roles = param_roles(self.plain_module(mid))   # the groups the module declares
             pairs: Dict[str, tuple] = {}
-            for name, new in state.items():
+            for name, source, new in self.published_items(mid):
                 old = reference.get(mid, {}).get(name)
                 if old is None or not new.is_floating_point():
                     continue
                 old = old if isinstance(old, torch.Tensor) else copied_tensor(old)
-                olds, news = pairs.setdefault(param_group(name), ([], []))
+                olds, news = pairs.setdefault(roles.get(source, "other"), ([], []))
                 olds.append(old.to(new.device, torch.float32))
                 news.append(new.detach().float())
             # Per group, the norm of every tensor at once (fp32, torch's foreach kernels, as
