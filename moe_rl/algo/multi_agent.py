@@ -57,8 +57,11 @@ class PatternMapping:
         return PatternMapping, (self.patterns,)
 
 
-def validate_multi_agent(section: Dict[str, Any], moe: Dict[str, Any], num_learners: int) -> Dict[str, Any]:
-    """Check the section; returns {policies: {id: {dense, moe}}, mapping_fn: callable}."""
+def validate_multi_agent(section: Dict[str, Any], moe: Dict[str, Any], num_learners: int,
+                         trust_code: bool = True) -> Dict[str, Any]:
+    """Check the section; returns {policies: {id: {dense, moe}}, mapping_fn: callable}. trust_code
+    false (a run directory's config.yaml, which may come from anyone): a mapping_fn is refused
+    before anything is imported, since naming code in a file is running it."""
     if not isinstance(section, dict) or set(section) - {"policies", "mapping", "mapping_fn"}:
         bad = sorted(set(section) - {"policies", "mapping", "mapping_fn"}) if isinstance(section, dict) else section
         raise ConfigError(f"multi_agent: must be a mapping with policies and mapping (or mapping_fn), got {bad!r}")
@@ -93,6 +96,9 @@ def validate_multi_agent(section: Dict[str, Any], moe: Dict[str, Any], num_learn
                 raise ConfigError(f"multi_agent.mapping: {pattern!r} is not a regular expression ({e})") from None
         fn: Callable = PatternMapping({str(k): str(v) for k, v in mapping.items()})
     else:
+        if not trust_code:
+            raise ConfigError(f"multi_agent.mapping_fn: {section['mapping_fn']!r:.200} names code to import; a run "
+                              "directory's config.yaml may come from anyone: pass --trust-env-code to import it")
         fn = import_path(section["mapping_fn"], "multi_agent.mapping_fn")
         if not callable(fn):
             raise ConfigError(f"multi_agent.mapping_fn: must name a callable, got {section['mapping_fn']!r}")

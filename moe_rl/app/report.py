@@ -22,9 +22,11 @@ import pyarrow as pa
 import yaml
 
 from moe_rl.algo.results import atomic_write_bytes, read_rows
+from moe_rl.app import bounded_yaml
 from moe_rl.app.plots import heatmap_svg, interval_plot_svg, xy_plot_svg
 from moe_rl.app.report_html import CSS, fig_row, fmt, not_recorded, section, table
 from moe_rl.app.report_tasks import task_figures, task_names
+from moe_rl.core.errors import ConfigError
 from moe_rl.core.gate import DECISIONS, mismatch_limits
 from moe_rl.core.metrics import DANGER_HIGH, DANGER_LOW, GRADES, WARN_HIGH, WARN_LOW
 
@@ -105,6 +107,9 @@ def _read(run_dir: str, name: str, notes: list):
     path = os.path.join(run_dir, name)
     if not os.path.exists(path):
         return None
+    if not os.path.isfile(path):   # a FIFO would block the read, a device never end it
+        notes.append(f"{name}: not a regular file (not read)")
+        return None
     try:
         return read_rows(path)
     except (OSError, ValueError, pa.ArrowException) as e:
@@ -113,13 +118,15 @@ def _read(run_dir: str, name: str, notes: list):
 
 
 def _config(run_dir: str, notes: list) -> dict:
+    """config.yaml within bounded_yaml's limits (size, aliases): the header expands its values."""
     try:
-        with open(os.path.join(run_dir, "config.yaml")) as f:
-            cfg = yaml.safe_load(f)
+        cfg = bounded_yaml.load(bounded_yaml.read(os.path.join(run_dir, "config.yaml")))
     except FileNotFoundError:
         return {}
-    except (OSError, yaml.YAMLError) as e:
-        notes.append(f"config.yaml: unreadable ({e})")
+    except bounded_yaml.YamlLimit as e:   # not damage but someone's doing (an alias bomb): refused
+        raise ConfigError(f"RUN_DIR: {run_dir!r} config.yaml is refused: {e}") from None
+    except (OSError, ValueError, yaml.YAMLError) as e:   # YamlLimit and UnicodeDecodeError are ValueErrors
+        notes.append(f"config.yaml: unreadable ({str(e).splitlines()[0][:300] if str(e) else type(e).__name__})")
         return {}
     return cfg if isinstance(cfg, dict) else {}
 

@@ -1,9 +1,14 @@
 """HTML pieces of the run report (moe_rl.app.report): sections, figure rows, tables, the page's CSS."""
 from __future__ import annotations
 
+import reprlib
 from html import escape as esc
 
 MAX_TABLE_ROWS = 200
+MAX_CELL_CHARS = 2000
+_BOUNDED = reprlib.Repr()
+_BOUNDED.maxlevel, _BOUNDED.maxdict, _BOUNDED.maxlist, _BOUNDED.maxtuple = 4, 30, 30, 30
+_BOUNDED.maxset, _BOUNDED.maxfrozenset, _BOUNDED.maxstring, _BOUNDED.maxother = 30, 30, 400, 400
 
 CSS = """body{font-family:sans-serif;margin:16px;max-width:1320px;color:#222}
 h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:22px 0 6px;border-bottom:1px solid #ccc}
@@ -27,9 +32,14 @@ def not_recorded(what: str) -> str:
 
 
 def fmt(v) -> str:
+    """A cell's text, at most MAX_CELL_CHARS: a value from a run's config.yaml may be any structure,
+    and a nested one is shown through reprlib's bounded repr (the same text as str() when small)."""
     if v is None:
         return ""
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    text = _BOUNDED.repr(v) if isinstance(v, (dict, list, tuple, set, frozenset)) else str(v)
+    return text if len(text) <= MAX_CELL_CHARS else text[:MAX_CELL_CHARS] + "…"
 
 
 def table(header, rows, pre: tuple = ()) -> str:

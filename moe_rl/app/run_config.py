@@ -42,6 +42,8 @@ import moe_rl.envs  # noqa: F401  registers the moe_rl/ namespace
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.algo.appo import MoEAPPOConfig
 from moe_rl.algo.multi_agent import apply_multi_agent, import_path, validate_multi_agent
+from moe_rl.app import bounded_yaml
+from moe_rl.app.run_trust import refuse_import_paths
 from moe_rl.app.wandb_logger import validate_wandb
 from moe_rl.core.gate import validate_consistency
 from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe, validate_weight_sync
@@ -63,17 +65,22 @@ def default_config_path() -> str:
     return str(resources.files("moe_rl") / "configs" / "cartpole.yaml")
 
 
-def load_run_config(path: Optional[str] = None, flag: str = "--config") -> Dict[str, Any]:
-    """A YAML mapping from `path` (the quickstart by default); ConfigError naming `flag` (the
-    option, or the run directory's config.yaml, that gave the path)."""
+def load_run_config(path: Optional[str] = None, flag: str = "--config", data: Optional[bytes] = None) -> Dict[str, Any]:
+    """A YAML mapping from `path` (the quickstart by default), or from `data` (the file's bytes as
+    the caller read and checked them: a run directory's signed config.yaml); ConfigError naming
+    `flag` (the option, or the run directory's config.yaml, that gave the path). Size and aliases
+    are limited (bounded_yaml): a document over a limit is refused naming it."""
     path = path or default_config_path()
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = yaml.safe_load(f) or {}
+        if data is None:
+            data = bounded_yaml.read(path, regular_only=flag != "--config")
+        cfg = bounded_yaml.load(data) or {}
     except OSError as e:
-        raise ConfigError(f"{flag}: must be a readable YAML file, got {path!r} ({e.strerror})") from None
+        raise ConfigError(f"{flag}: must be a readable YAML file, got {path!r} ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{flag}: must be UTF-8 text, {path!r} is not (byte {e.start})") from None
+    except bounded_yaml.YamlLimit as e:
+        raise ConfigError(f"{flag}: {path!r} is refused: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{flag}: must be valid YAML, {path!r} is not ({str(e).splitlines()[0]})") from None
     if not isinstance(cfg, dict):
@@ -152,8 +159,10 @@ def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
     if not env:
         raise ConfigError("env: must be a gymnasium environment id or an import path, got nothing")
     if not trust_env_code and names_code(env):
-        raise ConfigError(f"env: {env!r} names code to import; a run directory's config.yaml may come from "
+        raise ConfigError(f"env: {env!r:.200} names code to import; a run directory's config.yaml may come from "
                           "anyone: pass --trust-env-code to import it")
+    if not trust_env_code:
+        refuse_import_paths(cfg)
     config = ALGOS[algo]().environment(_resolve_env(env), env_config=cfg.get("env_config") or {})
     built = _check_env_config(env, cfg.get("env_config") or {})
     cfg = {**cfg, "moe": _with_task_count(env, {**MOE_DEFAULTS, **(cfg.get("moe") or {})}, built)}
@@ -178,7 +187,7 @@ def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
     validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
     if cfg.get("multi_agent") is not None:
         apply_multi_agent(config, validate_multi_agent(cfg["multi_agent"], {**MOE_DEFAULTS, **config.moe_settings},
-                                                       config.num_learners))
+                                                       config.num_learners, trust_env_code))
     resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
     validate_consistency(config.consistency_settings)
     validate_stability(config.stability_settings)
