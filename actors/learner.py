@@ -28,6 +28,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from moe_rl.actors.deepspeed_moe import shard_moe_layers
 from moe_rl.actors.rendezvous import bind_collectives_to, listening_socket, tcp_store
 from moe_rl.actors.startup import StartupReport, skip_unused_shm_comm_op
+from moe_rl.actors.weights_only_loads import weights_only_loads
 from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
 from moe_rl.core.stability import StabilityToolkit, validate_stability
@@ -270,8 +271,9 @@ class LearnerActor:
 
     def restore(self, path: str) -> None:
         for mid, engine in self.learner._engines.items():
-            engine.load_checkpoint(path, tag=f"moe_rl-{mid}", load_optimizer_states=True,
-                                   load_lr_scheduler_states=True)
+            with weights_only_loads(engine):   # DeepSpeed's own load unpickles anything
+                engine.load_checkpoint(path, tag=f"moe_rl-{mid}", load_optimizer_states=True,
+                                       load_lr_scheduler_states=True)
         self._set_learner_extra(load_learner_state(os.path.join(path, f"learner_rank_{self.rank}.pt")))
 
     # --- the gate's last good state, kept in this process ---------------------------------------

@@ -8,17 +8,19 @@
     verify_checkpoint, latest_good_checkpoint   every file against the manifest: checkpoint_integrity.py
     verify_weights(algo, path, cfg)  the checkpoint's policy reloaded (as `moe-rl evaluate` loads it)
                                      vs. the live learner module on a probe batch
-    restore_checkpoint(algo, path)   verify, algo.restore_from_path, driver RNG state
+    restore_checkpoint(algo, path)   a private verified copy (signature checked on the bytes copied:
+                                     verified_copy.py), algo.restore_from_path on it, driver RNG state
     load_policy(checkpoint, cfg, ...) the policy a checkpoint holds (`moe-rl evaluate`, verification)
     recover_learners(algo, error, ...)  a dead DeepSpeed learner: rebuild the group, restore the newest good one
 """
 from __future__ import annotations
 
-import glob
+import io
 import json
 import os
 import pickle
 import random
+import re
 import shutil
 import time
 import warnings
@@ -42,6 +44,7 @@ from moe_rl.app.checkpoint_integrity import (  # noqa: F401  (names callers reac
     MANIFEST,
     TMP_PREFIX,
     CheckpointError,
+    CheckpointRefused,
     checkpoint_iteration,
     checkpoint_name,
     checkpoint_names,
@@ -52,7 +55,8 @@ from moe_rl.app.checkpoint_integrity import (  # noqa: F401  (names callers reac
     verify_checkpoint,
 )
 from moe_rl.app.run_signature import FIELD as SIGNATURE
-from moe_rl.app.run_signature import is_signed_by_user, is_signed_file, key_path, sign
+from moe_rl.app.run_signature import is_signed_by_user, read_signed_file, sign, unsigned_reason
+from moe_rl.app.verified_copy import UntrustedCheckpoint, read_verified, verified_copy
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.param_groups import without_targets
 from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
@@ -131,6 +135,7 @@ def load_rng_state(path: str) -> bool:
 
 # --- write ----------------------------------------------------------------------------------------
 SHARDS = "module_shard_rank{}.pt"
+SHARD_FILE = re.compile(r"^learner_group/module_shard_rank(\d+)\.pt$")
 
 
 def save_policy_shards(algo, path: str) -> None:
@@ -138,7 +143,7 @@ def save_policy_shards(algo, path: str) -> None:
     `moe-rl evaluate` loads the policy with torch.load(weights_only=True) and never unpickles RLlib's
     module files. The DeepSpeed learner group writes them itself (save_to_path)."""
     folder = os.path.join(path, "learner_group")
-    if glob.glob(os.path.join(folder, SHARDS.format("*"))):
+    if os.path.isdir(folder) and any(SHARD_FILE.match(f"learner_group/{n}") for n in os.listdir(folder)):
         return
     os.makedirs(folder, exist_ok=True)
     for rank, ref in enumerate(algo.learner_group.publish_weights(inference_only=False)):
@@ -204,28 +209,37 @@ class UntrustedRun(ConfigError):
     """A run directory that is not the user's own; str() is one line naming the option to trust it."""
 
 
-def authenticate(path: str, run_dir: str) -> Dict[str, Any]:
+def authenticate(path: str, run_dir: str, config_reason: "str | None" = "unchecked") -> Dict[str, Any]:
     """The checkpoint verifies, and its manifest and RUN_DIR/config.yaml are signed with the user's
-    key; else UntrustedRun. Call before anything in the run is unpickled."""
+    key; else UntrustedRun. An early refusal, before Ray starts: the restore checks the signature
+    again on the bytes it loads (restore_checkpoint). config_reason: why the config.yaml bytes the
+    caller read are not signed (None: they are), so the file is not read a second time."""
     manifest = verify_checkpoint(path)
     name = os.path.basename(os.path.normpath(path))
     hint = "pass --trust-run to resume it anyway (it will unpickle the run's files)"
     if not is_signed_by_user(manifest):
-        raise UntrustedRun(f"--resume: checkpoint {name} of {run_dir!r} is not signed with your key ({key_path()}): "
-                           f"a run from elsewhere or an edited one; {hint}")
-    config_yaml = os.path.join(run_dir, "config.yaml")
-    if not is_signed_file(config_yaml):
-        raise UntrustedRun(f"--resume: {config_yaml!r} is not signed with your key ({key_path()}); {hint}")
+        raise UntrustedRun(f"--resume: {run_dir!r}: {unsigned_reason(manifest, name)}: a run from elsewhere or an "
+                           f"edited one; {hint}")
+    if config_reason == "unchecked":
+        config_reason = read_signed_file(os.path.join(run_dir, "config.yaml"))[1]
+    if config_reason:
+        raise UntrustedRun(f"--resume: {run_dir!r}: {config_reason}; {hint}")
     return manifest
 
 
-def restore_checkpoint(algo, path: str) -> Dict[str, Any]:
-    """Verify, then restore everything the checkpoint holds: weights, optimizer state of every
-    learner, RLlib learner/algorithm state (iteration counter, metrics, LR schedule position),
-    connector states, PPO's KL coefficients, the driver's RNG state and the run's clock."""
-    manifest = verify_checkpoint(path)
-    algo.restore_from_path(os.path.abspath(path))   # RLlib reads a relative path as a URI and fails
-    load_rng_state(path)
+def restore_checkpoint(algo, path: str, require_signature: bool = True) -> Dict[str, Any]:
+    """Restore everything the checkpoint holds: weights, optimizer state of every learner, RLlib
+    learner/algorithm state (iteration counter, metrics, LR schedule position), connector states,
+    PPO's KL coefficients, the driver's RNG state and the run's clock. Everything is read from a
+    private copy whose bytes were hashed as they were copied and checked against the manifest
+    (and its signature, unless the run is trusted) in the same step: nothing can be swapped in
+    between the check and the load. CheckpointError / UntrustedCheckpoint otherwise."""
+    copy, manifest = verified_copy(path, require_signature)
+    try:
+        algo.restore_from_path(copy)
+        load_rng_state(copy)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
     if manifest.get("time_total_s") is not None:  # Trainable's clock (result time_total_s) goes on
         algo._time_total = float(manifest["time_total_s"])
     return manifest
@@ -240,12 +254,18 @@ def module_settings(cfg: dict, module_id: str) -> Optional[Dict[str, Any]]:
 
 
 def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
-                module_id: str = DEFAULT_MODULE_ID) -> RLModule:
+                module_id: str = DEFAULT_MODULE_ID, require_signature: bool = False) -> RLModule:
     """A module from a checkpoint's per-learner parts module_shard_rank*.pt: the module is built
-    from the run's (validated) config and the tensors are loaded with weights_only and strictly.
-    RLlib's pickled module files are never read: a run directory may come from anyone."""
-    shard_files = sorted(glob.glob(os.path.join(checkpoint, "learner_group", SHARDS.format("*"))))
-    if not shard_files:
+    from the run's (validated) config and the tensors are loaded with weights_only and strictly,
+    from the bytes that were hashed against the manifest (and its signature, if required) as they
+    were read. RLlib's pickled module files are never read: a run directory may come from anyone."""
+    try:
+        shards = read_verified(checkpoint, SHARD_FILE.match, require_signature)
+    except CheckpointError as e:
+        raise ConfigError(f"RUN_DIR: {e}") from None
+    except UntrustedCheckpoint as e:
+        raise ConfigError(f"RUN_DIR: {e}; pass --trust-run to open it (only its data is read)") from None
+    if not shards:
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no tensor-only policy files "
                           f"(learner_group/{SHARDS.format('N')}); it was written by an older moe-rl")
     moe = module_settings(cfg, module_id)
@@ -254,10 +274,11 @@ def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
                          model_config=dict(MoEPPOConfig().model_config)))   # PPO's defaults, as the run built it
     spec.observation_space, spec.action_space, spec.inference_only = observation_space, action_space, False
     module = spec.build()
+    ordered = sorted(shards, key=lambda rel: int(SHARD_FILE.match(rel).group(1)))
     try:
         with warnings.catch_warnings():   # a foreign file's pickle protocol: the refusal below says enough
             warnings.simplefilter("ignore", UserWarning)
-            full = assemble_modules([torch.load(f, weights_only=True) for f in shard_files])
+            full = assemble_modules([torch.load(io.BytesIO(shards[rel]), weights_only=True) for rel in ordered])
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:   # code or junk, not tensors
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} has a policy file that holds more than tensors "
                           f"(refused, nothing was run: {str(e).splitlines()[0][:120]})") from None
@@ -345,5 +366,9 @@ def recover_learners(algo, error: BaseException, run_dir: str, restore: bool) ->
         raise LearnerFailure(f"{who} died ({type(error).__name__}) before the first good checkpoint; "
                              "nothing to restore from: start the run again")
     algo.learner_group = algo.learner_group.rebuild()
-    restore_checkpoint(algo, good)
+    try:
+        restore_checkpoint(algo, good)
+    except (CheckpointError, UntrustedCheckpoint) as e:   # changed under the run, or one not signed by it
+        raise LearnerFailure(f"{who} died ({type(error).__name__}) and {os.path.basename(good)} cannot be "
+                             f"restored ({e}); {hint}") from None
     return good, who

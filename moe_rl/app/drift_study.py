@@ -66,11 +66,11 @@ def study_config(seq_len: int, source: str, seed: int, prompt_len: int = 8, run_
             .debugging(seed=seed))
 
 
-def trained_policy(run_dir: str, lengths: List[int],
-                   trust_env_code: bool = False) -> Tuple[dict, Dict[str, np.ndarray]]:
+def trained_policy(run_dir: str, lengths: List[int], trust_env_code: Optional[bool] = None,
+                   trust_run: bool = False) -> Tuple[dict, Dict[str, np.ndarray]]:
     """A token run's config and its newest good checkpoint's policy (canonical names). The value
     network is left out: its input is the whole observation, so its size follows the length."""
-    cfg, ckpt = load_run(run_dir, "--checkpoint", trust_env_code)
+    cfg, ckpt, signed = load_run(run_dir, "--checkpoint", trust_env_code, trust_run)
     if cfg.get("env") != TOKEN_ENV or cfg.get("multi_agent"):
         raise ConfigError(f"--checkpoint: must be a single-agent run on {TOKEN_ENV}, got {cfg.get('env')!r}")
     longest = max(lengths) + cfg["env_config"]["prompt_len"]
@@ -79,7 +79,7 @@ def trained_policy(run_dir: str, lengths: List[int],
                           f"{cfg['moe']['max_seq_len']} tokens (prompt included), got {longest}; train with "
                           f"moe.positions: relative (configs/tokens_long.yaml) to study any length")
     env = gym.make(TOKEN_ENV, **cfg["env_config"])
-    module = load_policy(ckpt, cfg, env.observation_space, env.action_space)
+    module = load_policy(ckpt, cfg, env.observation_space, env.action_space, require_signature=signed)
     state = {k: v.detach().numpy() for k, v in unstack_experts(module.state_dict()).items() if not k.startswith("vf")}
     return cfg, state
 
@@ -103,7 +103,7 @@ def measure(seq_len: int, source: str, seed: int, run_cfg=None, policy=None) -> 
         episodes = algo.sample_episodes()
         algo.sync_gate.before_update(episodes, algo.iteration)
         algo.sync_gate.after_update(algo.iteration)
-        row = algo.sync_gate.rows[-1]
+        row = algo.sync_gate.ledger()[-1]
     finally:
         algo.stop()
     if "k3" not in row:
