@@ -26,14 +26,16 @@ import ray
 from moe_rl.algo.resources import check_memory, gib, model_memory, needs, run_demand
 from moe_rl.app import checkpoint as ck
 from moe_rl.app import console
+from moe_rl.app.cluster_address import cluster_address
 from moe_rl.app.drift_study import SOURCES, run_study, trained_policy
 from moe_rl.app.evaluate import evaluate_run, evaluate_tasks
 from moe_rl.app.report import write_report
 from moe_rl.app.resume import model_conflicts, resume_config
 from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
-from moe_rl.app.run_dir import RunDir
-from moe_rl.app.run_signature import not_users_own
-from moe_rl.app.train import ensure_ray, fail, train_loop
+from moe_rl.app.run_dir import RunDir, check_output
+from moe_rl.app.run_lock import check_not_busy
+from moe_rl.app.run_signature import check_user_key, not_users_own, read_signed_file
+from moe_rl.app.train import connect_first, ensure_ray, fail, train_loop
 from moe_rl.core.settings import ConfigError, saved_run_config
 
 TRUST_RUN_HELP = ("open a run directory that is not signed with your key (another user's, another machine's, or "
@@ -118,39 +120,58 @@ def cmd_train(args) -> int:
                           lambda: resolved(*build(load_run_config(args.config))) if args.config else None)
         else:
             cfg, config = build(load_run_config(args.config))
-        local = not os.environ.get("RAY_ADDRESS")
+        local = cluster_address() is None
         if local:   # a cluster's memory is known once connected: train_loop checks it there
             check_memory(config, psutil.virtual_memory().total, "this machine")
     except ConfigError as e:
         return fail(str(e))
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", cfg["env"]) + time.strftime("-%Y%m%d-%H%M%S")
     out = args.resume or args.output or os.path.join(cfg.get("output", "runs"), name)
+    try:   # it writes only a new, empty or moe-rl's own directory that no live run writes, signed with a safe key
+        check_output(out, resume=bool(args.resume))
+        check_user_key()
+    except ConfigError as e:
+        return fail(str(e))
     if args.dry_run:
         memory = gib(model_memory(config)["bytes"])
         print(f"moe-rl: dry run: the config is valid; {needs(run_demand(config))}; the model takes about {memory} "
               f"of memory; the run would write {out}")
         return 0
     try:
-        run = RunDir(out, resolved(cfg, config))
-    except OSError as e:
-        return fail(str(e))
-    return train_loop(config, cfg, run, resume)
+        connected = connect_first()   # a cluster (RAY_ADDRESS) is reached before anything is written
+        run = RunDir(out, resolved(cfg, config), resume=bool(args.resume))
+    except (OSError, ConfigError) as e:
+        if ray.is_initialized():
+            ray.shutdown()
+        return fail(str(e), getattr(e, "exit_code", 2))   # a signal while reaching a cluster: 128 + it
+    try:
+        return train_loop(config, cfg, run, resume, args.trust_run)
+    finally:
+        run.release()
+        if connected:
+            ray.shutdown()
 
 
 def _resume_source(args):
     """--resume RUN_DIR: its config.yaml and its newest good checkpoint (ConfigError if none), both
     checked to be the user's own (signed with the user's key) before anything is unpickled or any
     env code is imported, unless --trust-run."""
+    check_not_busy(args.resume)   # a live run's directory: refused before anything is read
     if not os.path.isfile(os.path.join(args.resume, "config.yaml")):
         raise ConfigError(f"--resume: must be a moe-rl run directory with config.yaml, got {args.resume!r}")
     if args.output and os.path.abspath(args.output) != os.path.abspath(args.resume):
         raise ConfigError(f"--output: a resumed run continues in its own directory {args.resume!r}; leave --output out")
-    ckpt = ck.latest_good_checkpoint(args.resume)
-    if ckpt is None:
-        raise ConfigError(f"--resume: {args.resume!r} has no good checkpoint under checkpoints/ to continue from")
-    if not args.trust_run:
-        ck.authenticate(ckpt, args.resume)
-    saved = load_run_config(os.path.join(args.resume, "config.yaml"), flag=f"--resume {args.resume!r} config.yaml")
+    config_yaml = os.path.join(args.resume, "config.yaml")
+    try:   # config.yaml read once: its signature is checked on the bytes that are parsed
+        ckpt = ck.latest_good_checkpoint(args.resume, refuse=True)
+        if ckpt is None:
+            raise ConfigError(f"--resume: {args.resume!r} has no good checkpoint under checkpoints/ to continue from")
+        data, unsigned = read_signed_file(config_yaml)
+        if not args.trust_run:
+            ck.authenticate(ckpt, args.resume, unsigned)
+    except (ck.CheckpointError, OSError) as e:
+        raise ConfigError(f"--resume: {args.resume!r}: {e}") from None
+    saved = load_run_config(config_yaml, flag=f"--resume {args.resume!r} config.yaml", data=data)
     return saved_run_config(saved), ckpt
 
 
@@ -218,13 +239,15 @@ def cmd_evaluate(args) -> int:
 
     try:
         n = args.episodes
-        # The user's own run may import the env code its config.yaml names: the user wrote it.
-        trust_env_code = users_own_run(args.run_dir, "RUN_DIR", args.trust_run) or args.trust_env_code
-        tasks = evaluate_tasks(args.run_dir, 16 if n is None else n, trust_env_code)
+        # The user's own run may import the env code its config.yaml names (None: decided on the
+        # config.yaml bytes that are read, by their signature): the user wrote it.
+        users_own_run(args.run_dir, "RUN_DIR", args.trust_run)
+        trust_env_code = args.trust_env_code or None
+        tasks = evaluate_tasks(args.run_dir, 16 if n is None else n, trust_env_code, args.trust_run)
         if tasks:
             print(tasks_table(tasks, 16 if n is None else n))
             return 0
-        mean, returns = evaluate_run(args.run_dir, 10 if n is None else n, trust_env_code)
+        mean, returns = evaluate_run(args.run_dir, 10 if n is None else n, trust_env_code, args.trust_run)
     except ConfigError as e:
         return fail(str(e))
     print(f"mean return over {len(returns)} episodes: {mean:.2f}")
@@ -244,8 +267,8 @@ def cmd_drift_study(args) -> int:
     try:
         trained = None
         if args.checkpoint:
-            own = users_own_run(args.checkpoint, "--checkpoint", args.trust_run)
-            trained = trained_policy(args.checkpoint, lengths, own or args.trust_env_code)
+            users_own_run(args.checkpoint, "--checkpoint", args.trust_run)
+            trained = trained_policy(args.checkpoint, lengths, args.trust_env_code or None, args.trust_run)
     except ConfigError as e:
         return fail(str(e))
     started = ensure_ray(4)  # a study config needs at most 1 runner + 2 learners

@@ -27,6 +27,7 @@ from moe_rl.algo.results import metrics_row
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.app import checkpoint as ck
 from moe_rl.app import console
+from moe_rl.app.cluster_address import cluster_address, connect, reach
 from moe_rl.app.guardian import Guardian
 from moe_rl.app.lost_cluster import EmbeddedRayWatch, cluster_lost, mark_lost
 from moe_rl.app.report import write_report
@@ -42,9 +43,10 @@ def fail(msg: str, code: int = 2) -> int:
     return code
 
 
-def train_loop(config, cfg, run, resume_from=None) -> int:
+def train_loop(config, cfg, run, resume_from=None, trust_run: bool = False) -> int:
     """Train with a guardian beside the process (it reports a trainer that dies with its Ray
-    cluster) and Ctrl-C / SIGTERM turned into a clean stop after the current iteration."""
+    cluster) and Ctrl-C / SIGTERM turned into a clean stop after the current iteration.
+    trust_run: resume_from is restored without its signature (--resume --trust-run)."""
     guardian = Guardian(run.path, run.location)
 
     def first(signum):  # in a signal handler: os.write, never print (a print may be under way)
@@ -62,7 +64,7 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
 
     try:
         with StopSignals(first, second) as stop:
-            return _train_loop(config, cfg, run, resume_from, stop, guardian)
+            return _train_loop(config, cfg, run, resume_from, stop, guardian, trust_run)
     except BaseException as e:   # a bug, or a lost cluster not recognised: the run directory says it stopped
         if not os.path.exists(os.path.join(run.path, "INCOMPLETE")):
             run.mark_incomplete(f"stopped by {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
@@ -71,12 +73,12 @@ def train_loop(config, cfg, run, resume_from=None) -> int:
         guardian.finish()
 
 
-def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
+def _train_loop(config, cfg, run, resume_from, stop, guardian, trust_run=False) -> int:
     demand = run_demand(config)
     started_ray = ensure_ray(math.ceil(demand.total().get("CPU", 0)) + 1)   # + the driver's own work
     stop.take_back()   # from ray.init(), whose own SIGTERM handler would exit mid-iteration
     algo = None
-    if os.environ.get("RAY_ADDRESS"):   # the machine's memory was checked before Ray; a cluster's is known now
+    if cluster_address():   # the machine's memory was checked before Ray; a cluster's is known now
         try:
             check_memory(config, ray.cluster_resources().get("memory", math.inf), "the cluster")
         except ConfigError as e:
@@ -108,8 +110,15 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian) -> int:
         if resume_from:
             try:
                 phase = Phase(f"verifying and restoring {resume_from}")
-                ck.restore_checkpoint(algo, resume_from)
+                if trust_run:
+                    ck.restore_checkpoint(algo, resume_from, require_signature=False)
+                else:
+                    ck.restore_checkpoint(algo, resume_from)   # the signature checked on the bytes loaded
                 phase.done()
+            except (ck.CheckpointError, ConfigError) as e:   # changed since it was checked, or not signed now
+                hint = "" if isinstance(e, ck.CheckpointError) else \
+                    "; pass --trust-run to resume it anyway (it will unpickle the run's files)"
+                return fail(f"--resume: cannot restore {resume_from}: {e}{hint}")
             except (OSError, RuntimeError, ValueError, KeyError, ray.exceptions.RayError) as e:
                 # e.g. a learner state file that is not plain data (refused by the weights-only load)
                 lines = [line for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
@@ -293,11 +302,13 @@ def ensure_ray(min_cpus: int) -> bool:
     wait forever). Returns whether this call started/connected Ray (the caller shuts it down)."""
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
-        phase = Phase(f"connecting to the Ray cluster at {os.environ['RAY_ADDRESS']}")
+    address = cluster_address()   # RAY_ADDRESS=local: the embedded Ray below, loopback and all
+    if address:
+        phase = Phase(f"connecting to the Ray cluster at {address}")
         # The actors' output reaches this console (log_to_driver): the same named filters there.
-        ray.init(runtime_env=None if not console.is_quiet() else
-                 {"worker_process_setup_hook": "moe_rl.app.console.quiet_worker"})
+        # Bounded, and a loopback address stays loopback (cluster_address.connect).
+        connect(address, lambda: ray.init(address=address, runtime_env=None if not console.is_quiet() else
+                                          {"worker_process_setup_hook": "moe_rl.app.console.quiet_worker"}))
     else:
         # Loopback whatever the environment holds (a local Ray is ours, not a cluster), and Ray's
         # token auth said explicitly rather than left to Ray's default for new local clusters.
@@ -307,6 +318,20 @@ def ensure_ray(min_cpus: int) -> bool:
         start_local_ray(cpus)
     phase.done(f"; Ray listens on {listening_on()}")
     return True
+
+
+def connect_first() -> bool:
+    """RAY_ADDRESS names a cluster: reach it and connect now, before the run directory is written
+    (ConfigError naming the address within cluster_address.REACH_TIMEOUT_S; a port that answers but
+    never accepts the driver ends the process within CONNECT_TIMEOUT_S). Nothing to do for an
+    embedded Ray (the train loop starts it). Returns whether this connected (the caller shuts Ray down)."""
+    address = cluster_address()
+    if not address or ray.is_initialized():
+        return False
+    phase = Phase(f"reaching the Ray cluster at {address}")
+    reach(address)
+    phase.done()
+    return ensure_ray(0)
 
 
 def start_local_ray(num_cpus: "int | None" = None, **init_kwargs) -> None:
