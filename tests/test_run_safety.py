@@ -230,3 +230,37 @@ def test_resume_of_the_users_own_run_is_quiet(own_run, tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed from" in p.stdout and "DeprecationWarning" not in p.stderr + p.stdout, p.stderr[-3000:]
+
+
+DS_MODEL_STATES = "learner_group/moe_rl-default_policy/mp_rank_00_model_states.pt"
+
+
+def test_a_deepspeed_file_swapped_after_the_check_is_never_loaded(own_run, tmp_path):
+    """The file and its manifest line changed while Ray starts (after --resume's first check): the
+    restore reads only a private copy checked against the signed manifest, and refuses it."""
+    marker = tmp_path / "PAYLOAD_RAN"
+    run = copy_run(own_run[0], tmp_path / "swapped")
+    proc = subprocess.Popen([sys.executable, "-m", "moe_rl.app.cli", "train", "--resume", str(run),
+                             "--iterations", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "building the algorithm" in line:
+            plant(run, DS_MODEL_STATES, pickle.dumps(Payload(marker)))
+            break
+    stdout, stderr = proc.communicate(timeout=900)
+    errors = [line for line in stderr.splitlines() if line.startswith("moe-rl: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, (proc.returncode, stdout[-2000:], stderr[-3000:])
+    assert "not signed with your key" in errors[0] and "cannot restore" in errors[0]
+    assert not marker.exists()
+
+
+def test_deepspeeds_files_load_weights_only_even_in_a_trusted_run(own_run, tmp_path):
+    """--trust-run unpickles RLlib's state by design, but DeepSpeed's model states are read with
+    weights_only: a payload there is refused, never run."""
+    marker = tmp_path / "PAYLOAD_RAN"
+    run = copy_run(own_run[0], tmp_path / "trusted")
+    plant(run, DS_MODEL_STATES, pickle.dumps(Payload(marker)))
+    p = subprocess.run([sys.executable, "-m", "moe_rl.app.cli", "train", "--resume", str(run), "--trust-run",
+                        "--iterations", "3"], capture_output=True, text=True, timeout=900)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("moe-rl: error:")]
+    assert p.returncode != 0 and len(errors) == 1, (p.returncode, p.stderr[-3000:])
+    assert "refused: not plain data" in errors[0] and not marker.exists()
