@@ -9,7 +9,7 @@ the hosts with token auth on:
 - MoE-APPO across the two hosts;
 - host B lost mid-run (link down, every process SIGKILLed): the run rebuilds its learners on host A
   from the newest checkpoint and finishes, having lost only the iteration in flight.
-The tests share one cluster (starting it costs 40-60 s here); the lost host goes last."""
+The tests share one cluster (starting it took 18-43 s here); the lost host goes last."""
 import json
 import os
 import re
