@@ -6,7 +6,7 @@ the hosts with token auth on:
   socket moe-rl listens on is on its host's own address, and the final weights are bit for bit
   those of the same run on one host;
 - a host without the token cannot join, submit a job or read the KV store; one with it can;
-- MoE-APPO across the two hosts;
+- MoE-APPO (expert-parallel) and MoE-DQN (its learner on host B) across the two hosts;
 - host B lost mid-run (link down, every process SIGKILLed): the run rebuilds its learners on host A
   from the newest checkpoint and finishes, having lost only the iteration in flight.
 The tests share one cluster (starting it took 18-43 s here); the lost host goes last."""
@@ -30,8 +30,9 @@ pytestmark = pytest.mark.slow
 
 # Host A has room for both learners (and its rollout actor): where the group is rebuilt when host B
 # is lost. SPREAD puts one learner on each host while both are there.
+# host_b: where MoE-DQN's one learner goes (RLlib's learner group: the DeepSpeed group does not serve DQN).
 HOST_A = {"moe_learner": 2, "moe_rollout": 1}
-HOST_B = {"moe_learner": 1, "moe_rollout": 1}
+HOST_B = {"moe_learner": 1, "moe_rollout": 1, "host_b": 1}
 RUN = ["--iterations", "2", "--seed", "0", "--num-learners", "2", "--ep-size", "2", "--num-env-runners", "2",
        "--set", "stop_return=null", "--set", "training.train_batch_size_per_learner=500",
        "--set", "training.minibatch_size=125", "--set", "moe.num_experts=4", "--set", "checkpoint_every=1",
@@ -45,6 +46,11 @@ HEALTH_CHECKS = {"RAY_health_check_period_ms": "2000", "RAY_health_check_timeout
 APPO_RUN = ["--config", "configs/appo_cartpole.yaml", "--iterations", "1", "--seed", "0", "--num-learners", "2",
             "--ep-size", "2", "--set", "stop_return=null", "--set", "moe.num_experts=4", "--set", "checkpoint_every=1",
             "--set", "weight_sync.transport=collective"]
+# MoE-DQN's own config: its learner on host B, the driver on A, a rollout actor on each.
+DQN_RUN = ["--config", "configs/dqn_cartpole.yaml", "--iterations", "2", "--seed", "0", "--num-learners", "1",
+           "--num-env-runners", "2", "--set", "stop_return=null", "--set", "checkpoint_every=1",
+           "--set", "learners.custom_resources_per_learner={host_b: 1}",
+           "--set", "env_runners.custom_resources_per_env_runner={moe_rollout: 1}"]
 ACROSS_HOSTS = ["--set", "learners.custom_resources_per_learner={moe_learner: 1}",
                 "--set", "env_runners.custom_resources_per_env_runner={moe_rollout: 1}",
                 "--set", "deepspeed.placement_strategy=SPREAD"]
@@ -262,6 +268,17 @@ def test_moe_appo_trains_across_two_hosts(hosts, tmp_path):
     learners = watch.moe_rl_sockets("LearnerActor")
     assert sorted(learners) == ["a", "b"], learners
     note(f"MoE-APPO across two hosts: {time.monotonic() - t0:.0f}s")
+
+
+def test_moe_dqn_trains_across_two_hosts(hosts, tmp_path):
+    t0 = time.monotonic()
+    run = tmp_path / "dqn"
+    rc, out = submit(hosts, [*DQN_RUN, "--output", str(run)])
+    assert rc == 0 and "succeeded" in out.lower(), out[-4000:]
+    metrics = rows(run / "metrics.parquet")
+    assert [r["iteration"] for r in metrics] == [1, 2] and metrics[-1]["env_steps_total"] > 0
+    assert (run / "checkpoints" / "iter_000002").is_dir()
+    note(f"MoE-DQN across two hosts: {time.monotonic() - t0:.0f}s")
 
 
 # --- a host lost ------------------------------------------------------------------------------------
