@@ -34,8 +34,8 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results", "softmoe")
 GAMES = {"breakout": "MinAtar/Breakout-v1", "space_invaders": "MinAtar/SpaceInvaders-v1"}
 ARMS = {
-    "dense": ["moe.mixture=dense", "moe.tokens=one", "moe.top_k=1", "moe.d_ff=64"],
-    "dense_wide": ["moe.mixture=dense", "moe.tokens=one", "moe.top_k=1", "moe.d_ff=512"],
+    "dense": ["moe.mixture=dense", "moe.tokens=one", "moe.d_ff=64"],
+    "dense_wide": ["moe.mixture=dense", "moe.tokens=one", "moe.d_ff=512"],
     "single": ["moe.num_experts=1", "moe.slots_per_expert=8", "moe.d_ff=512"],
     "soft4": ["moe.num_experts=4"],
     "soft8": ["moe.num_experts=8"],

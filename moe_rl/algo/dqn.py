@@ -76,7 +76,7 @@ class MoEDQNConfig(MoEConfig, DQNConfig):
             if bad:
                 raise ConfigError(f"{field}: {allowed}")
         store, _ = calculate_rr_weights(self)
-        if store > 1:
+        if store > 1 and not self.in_evaluation:   # evaluation samples on runners of its own
             raise ConfigError(f"training.training_intensity: at least the native ratio with algo dqn (one update "
                               f"per sampled batch or more; {self.training_intensity!r} asks for one per {store})")
 

@@ -76,7 +76,8 @@ class SyncGate:
         self.steps = 0                    # training steps seen (consistency.every counts them)
         self.updates_since_sync = 0       # > 0: the learners are ahead of the rollouts (a hold)
         self.probe: Optional[Dict[str, Any]] = None        # fixed probe observations, per module
-        self.probe_view: Dict[str, Dict[str, Any]] = {}    # the last good weights' view of them
+        self.probe_view: Dict[str, Dict[str, Any]] = {}    # the synced (last good) weights' view of them
+        self.probe_version = -1                            # the version probe_view is of
         self._lag_before: Optional[int] = None             # set by before_update: a check is in progress
         self._observed: Optional[ray.ObjectRef] = None     # the actor's first half of the check
         self._copies = None
@@ -140,8 +141,14 @@ class SyncGate:
         if self.probe is None and data:   # once per run (a restored run's comes with its checkpoint)
             self.probe = {mid: tree.map_structure(lambda x: x[: self.s.probe_size], d["obs"])
                           for mid, d in data.items()}
-            self.probe_view = group.trainer_view({mid: {"obs": o} for mid, o in self.probe.items()}, replay=False)
         lag = self.updates_since_sync
+        if self.probe is not None and lag == 0 and self.probe_version != self.version:
+            # The synced version's view of the probe set, what a candidate one update past it is
+            # measured against. Taken here, where the learners hold it, when syncs went by unchecked
+            # (consistency.every > 1): the last accepted candidate's view would be several updates
+            # old, and a candidate judged as one update would carry all of them.
+            self.probe_view = group.trainer_view({mid: {"obs": o} for mid, o in self.probe.items()}, replay=False)
+            self.probe_version = self.version
         asked = {mid: {"obs": d["obs"], "actions": d["actions"], "routing": d.get("routing")}
                  for mid, d in data.items()}
         view = group.trainer_view(asked) if asked else {}   # each module replays as it trains
@@ -195,8 +202,8 @@ class SyncGate:
         verdict = self._decide(found["rows"], lag_before, bool(stats["finite"]), corrupt, replicas, found["seconds"])
         if verdict.decision not in ("sync", "warn"):
             self._withdraw_candidate()
-        else:
-            self.probe_view = candidate
+        else:   # the candidate becomes the synced version next
+            self.probe_view, self.probe_version = candidate, self.version + 1
             self.sync_id += 1
         causes = [c for c in verdict.causes if c != "corrupt_copy"]   # repairs were logged when made
         if causes:   # one line; every breach and per-tensor line is in the ledger (drift.parquet)
@@ -237,7 +244,7 @@ class SyncGate:
         if not self.checks:
             return {}
         return {"gate": self.state.get_state(), "sync_id": self.sync_id, "repairs": self.repairs, "steps": self.steps,
-                "probe_obs": self.probe, "probe_view": self.probe_view}
+                "probe_obs": self.probe, "probe_view": self.probe_view, "probe_version": self.probe_version}
 
     def set_state(self, state: Dict[str, Any]) -> None:
         if not self.checks:
@@ -249,6 +256,7 @@ class SyncGate:
         self.steps = int(state.get("steps", self.steps))
         if kept.get("probe_obs") is not None:
             self.probe, self.probe_view = kept["probe_obs"], kept["probe_view"]
+            self.probe_version = int(state.get("probe_version", -1))   # restored weights: a new version
 
     def close(self) -> None:
         self.weights.close()

@@ -72,16 +72,18 @@ class MoELearner(StabilityPart, WeightPublisher):
     def compute_loss_for_module(self, *, module_id, config, batch, fwd_out):
         total = super().compute_loss_for_module(module_id=module_id, config=config, batch=batch, fwd_out=fwd_out)
         records = fwd_out.get(MOE_ROUTING)
-        if not records:
+        if records is None:   # not an MoE module (a multi-agent run's plain policy)
             return self.combine_losses(module_id, total, 0.0)
-        # The last minibatch's routing (health: entropies, logit statistics) and observations (the
-        # dormant-unit probe); the load is summed over every minibatch of the update.
-        self._last_routing[module_id] = [r.detach() for r in records]
+        # The last minibatch's observations (the dormant-unit probe, mixture dense too) and routing
+        # (health: entropies, logit statistics); the load is summed over the minibatches graded.
         self._last_obs[module_id] = batch[Columns.OBS]
+        self._graded_rows[module_id] = self._graded_rows.get(module_id, 0) + len(tree.flatten(batch[Columns.OBS])[0])
+        if not records:   # mixture dense
+            return self.combine_losses(module_id, total, 0.0)
+        self._last_routing[module_id] = [r.detach() for r in records]
         loads = [r.expert_load().detach() for r in records]
         sums = self._update_load.get(module_id)
         self._update_load[module_id] = loads if sums is None else [a + b for a, b in zip(sums, loads)]
-        self._graded_rows[module_id] = self._graded_rows.get(module_id, 0) + len(tree.flatten(batch[Columns.OBS])[0])
         # A Soft MoE drops nothing and has nothing to balance: no router loss.
         extra = 0.0 if getattr(records[0], "soft", False) else self.router_losses(module_id, records, batch)
         return self.combine_losses(module_id, total, extra)
