@@ -31,8 +31,8 @@ from moe_rl.actors.startup import StartupReport, skip_unused_shm_comm_op
 from moe_rl.actors.weights_only_loads import weights_only_loads
 from moe_rl.core.anomaly import rss_mb
 from moe_rl.core.sharding import assemble_modules, is_expert_param, to_global_name, to_local_name
-from moe_rl.core.stability import StabilityToolkit, validate_stability
-from moe_rl.core.state_copy import keep_state, restore_state
+from moe_rl.rllib import ray_private
+from moe_rl.rllib.learner_stability import Collectives
 from moe_rl.rllib.moe_learner import MoELearner
 from moe_rl.rllib.rl_module import MoEPolicyModule
 
@@ -47,50 +47,37 @@ def deepspeed_config(user: Dict[str, Any], minibatch_size: int, world_size: int)
     return cfg
 
 
-class DeepSpeedLearner:
+class DeepSpeedLearner(ray_private.ShardedWithoutDDP):
     """Mixed in before an MoE TorchLearner; lives inside a LearnerActor after torch.distributed is
     initialised. Nothing here is the algorithm's: the loss, the connectors and the hooks after an
-    update (APPO's target network, PPO's KL coefficient) stay the learner's own."""
+    update (APPO's target network, PPO's KL coefficient) stay the learner's own. Of the MoE learner
+    it changes only how gradients are reduced and stepped and what its weights and state are
+    made of; the toolkit, gradient application and kept state are the MoE learner's one copy."""
 
-    def _make_module(self):
-        module = super()._make_module()
+    def after_module_made(self, module) -> None:
         s = self.config.moe_settings
-        self.ep_size = s["ep_size"]
+        self.ep_size = s.ep_size
         # DeepSpeed's expert-parallel groups are consecutive ranks: [0..ep-1], [ep..2ep-1], ...
         self.ep_rank = dist.get_rank() % self.ep_size
         # Experts per rank, per module (a multi-agent module may have its own number of experts).
-        self.num_local = {mid: m.moe_settings["num_experts"] // self.ep_size for mid, m in module.items()
+        self.num_local = {mid: m.moe_settings.num_experts // self.ep_size for mid, m in module.items()
                           if isinstance(m, MoEPolicyModule)}
         for mid in module.keys():
             shard_moe_layers(module[mid], self.ep_size, self.ep_rank,
-                             capacity_factor=s["trainer_capacity_factor"],
-                             second_expert_sampling=s["trainer_second_expert_sampling"],
-                             random_token_selection=s["trainer_random_token_selection"])
+                             capacity_factor=s.trainer_capacity_factor,
+                             second_expert_sampling=s.trainer_second_expert_sampling,
+                             random_token_selection=s.trainer_random_token_selection)
             m = module[mid]
-            if isinstance(m, MoEPolicyModule) and m.replay_mode is None and m.moe_settings["capacity_factor"]:
+            if isinstance(m, MoEPolicyModule) and m.replay_mode is None and m.moe_settings.capacity_factor:
                 # DeepSpeed's gate keeps its own capacity (trainer_capacity_factor), not the token
                 # trunk's per-sequence one: the rollout's drops reach it only by replay.
                 m.replay_mode = "full"
-        return module
 
-    def _make_modules_ddp_if_necessary(self) -> None:
-        """Never DDP: DeepSpeed reduces gradients (see module docstring)."""
-
-    def make_toolkit(self, module_id):
+    def collectives(self) -> Collectives:
         """Per-group norms are global: replicated tensors once, expert shards summed over the
-        expert-parallel ranks; every learner gets the same numbers and the same skip decision."""
-        return StabilityToolkit(validate_stability(self.config.stability_settings),
-                                self._module[module_id].named_parameters(), is_expert=is_expert_param,
-                                all_reduce_sum=lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM) or t,
-                                world_size=dist.get_world_size(), ep_size=self.ep_size)
-
-    def router_stats_all_reduce(self):
-        """Routers are replicated on every learner: their balancing statistics are summed over
-        all of them so every replica takes the same bias step."""
-        def all_reduce(t):
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-            return t
-        return all_reduce
+        expert-parallel ranks; every learner gets the same numbers and the same skip decision, and
+        routers (replicated) sum their balancing statistics over all learners."""
+        return Collectives(all_reduce_sum=_all_reduce_sum, world_size=dist.get_world_size(), ep_size=self.ep_size)
 
     def optimizer_param_groups(self, toolkit, base_lr):
         """The stability groups, each split by DeepSpeed into expert / non-expert groups (expert
@@ -99,11 +86,11 @@ class DeepSpeedLearner:
         return [g for g in groups if g["params"]]
 
     def build_optimizer(self, module_id, toolkit, param_groups, base_lr):
-        ds_user = self.config.deepspeed_settings.get("config") or {}
+        ds_user = self.config.deepspeed_settings.config or {}
         optimizer = None if "optimizer" in ds_user else toolkit.make_optimizer(param_groups, base_lr)
         config = self.config.get_config_for_module(module_id)
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=self._module[module_id], optimizer=optimizer,
+            model=self.module[module_id], optimizer=optimizer,
             model_parameters=param_groups if optimizer is None else None,
             config=deepspeed_config(ds_user, config.minibatch_size or config.train_batch_size_per_learner,
                                     dist.get_world_size()),
@@ -112,50 +99,50 @@ class DeepSpeedLearner:
         self._engines[module_id] = engine
         return optimizer or ds_optimizer
 
-    def _uncompiled_update(self, batch, **kwargs):
-        """RLlib's update step without the DDP `no_sync` context. A private method, overridden
-        because it is where RLlib 2.60 enters `module.no_sync()` whenever num_learners > 1, a DDP
-        method that our modules lack (DeepSpeed reduces the gradients in engine.backward, so there
-        is no DDP wrapper to give it); everything else is RLlib's public hooks, called as there."""
-        self._compute_off_policyness(batch)
-        fwd_out = self.module.forward_train(batch)
-        loss_per_module = self.compute_losses(fwd_out=fwd_out, batch=batch)
-        self.apply_gradients(self.postprocess_gradients(self.compute_gradients(loss_per_module)))
-        return fwd_out, loss_per_module, {}
+    def optimizer_step(self, module_id, optimizer) -> None:
+        self._engines[module_id].step()
 
     def compute_gradients(self, loss_per_module, **kwargs):
-        for optim in self._optimizer_parameters:
-            optim.zero_grad(set_to_none=True)
+        for module_id in self.module.keys():
+            for _, optimizer in self.get_optimizers_for_module(module_id):
+                optimizer.zero_grad(set_to_none=True)
         for mid, loss in loss_per_module.items():
             self._engines[mid].backward(loss)  # all-reduces (dense: all ranks, experts: ep-dp group)
-        return {pid: p.grad for pid, p in self._params.items()}
+        return {self.get_param_ref(p): p.grad for mid in self.module.keys() for p in self.module[mid].parameters()}
 
-    def apply_gradients(self, gradients_dict) -> None:
-        for pid, grad in gradients_dict.items():
-            if self._params[pid].grad is not grad:
-                self._params[pid].grad = grad
-        for module_id, engine in self._engines.items():
-            (name,) = self._module_optimizers[module_id]
-            if self.stability_step(module_id, self.get_optimizer(module_id, name)):
-                engine.step()
-                self.after_step(module_id)
+    # --- the state the gate keeps and a checkpoint holds ------------------------------------------
+    def kept_parts(self):
+        """({module_id: module}, {module_id: optimizer}) of the DeepSpeed engines."""
+        return ({mid: e.module for mid, e in self._engines.items()},
+                {mid: e.optimizer for mid, e in self._engines.items()})
+
+    def kept_extra(self) -> Dict[str, Any]:
+        """The RLlib learner state DeepSpeed does not hold (counters, metrics, stability toolkits,
+        the KL coefficients) and this process's torch RNG."""
+        extra = super().kept_extra()
+        if callable(extra.get("should_module_be_updated")):  # from the config; rebuilt with it
+            extra.pop("should_module_be_updated")
+        extra[TORCH_RNG] = torch.get_rng_state()
+        return extra
+
+    def set_state(self, state) -> None:
+        state = dict(state)
+        rng = state.pop(TORCH_RNG, None)
+        super().set_state(state)
+        if rng is not None:
+            torch.set_rng_state(rng)
 
     # --- expert-parallel views of the module ------------------------------------------------------
-    def published(self, inference_only: bool = True, everything: bool = False) -> Dict[str, Dict[str, Any]]:
-        """This learner's part of the published weights, per module, under global (rollout-copy)
-        names, as its live tensors. Experts: only the first replica of each expert-parallel rank
-        publishes (ranks 0..ep-1). Dense tensors: only global rank 0 (they are identical
-        everywhere). everything=True: all it holds (the replica check compares those)."""
+    def published_items(self, module_id: str, inference_only: bool = True, everything: bool = False):
+        """This learner's part of a module's published weights under global (rollout-copy) names, as
+        its live tensors. Experts: only the first replica of each expert-parallel rank publishes
+        (ranks 0..ep-1). Dense tensors: only global rank 0 (they are identical everywhere).
+        everything=True: all it holds (the replica check compares those)."""
         rank = dist.get_rank()
-        out = {}
-        for mid in self.module.keys():
-            part = {}
-            for name, tensor in self.local_state(mid, inference_only).items():
-                expert = is_expert_param(name)
-                if everything or (rank < self.ep_size if expert else rank == 0):
-                    part[to_global_name(name, self.ep_rank, self.num_local.get(mid, 1))] = tensor
-            out[mid] = part
-        return out
+        for name, tensor in self.local_state(module_id, inference_only).items():
+            expert = is_expert_param(name)
+            if everything or (rank < self.ep_size if expert else rank == 0):
+                yield to_global_name(name, self.ep_rank, self.num_local.get(module_id, 1)), name, tensor
 
     def load_shards(self, shards, inference_only: bool = True) -> None:
         """Load published shards (global names): every rank keeps its own experts and the dense
@@ -179,6 +166,11 @@ class DeepSpeedLearner:
     def expert_param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for mid in self.module.keys()
                    for n, p in self.plain_module(mid).named_parameters() if is_expert_param(n))
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
 
 
 def deepspeed_learner_class(config) -> type:
@@ -245,36 +237,19 @@ class LearnerActor:
                 "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
                 "rss_mb": rss_mb()}
 
-    def _learner_extra(self) -> Dict[str, Any]:
-        """The RLlib learner state DeepSpeed does not hold (counters, metrics, stability toolkit,
-        the KL coefficients) and this process's torch RNG."""
-        extra = self.learner.get_state(not_components=["rl_module"])
-        extra.pop("optimizer", None)
-        if callable(extra.get("should_module_be_updated")):  # from the config; rebuilt with it
-            extra.pop("should_module_be_updated")
-        extra[TORCH_RNG] = torch.get_rng_state()
-        return extra
-
-    def _set_learner_extra(self, extra: Dict[str, Any]) -> None:
-        extra = dict(extra)
-        rng = extra.pop(TORCH_RNG, None)
-        self.learner.set_state(extra)
-        if rng is not None:
-            torch.set_rng_state(rng)
-
     def save(self, path: str) -> None:
         """DeepSpeed checkpoint of this rank per module (collective: every rank calls it) + the
         learner state DeepSpeed does not hold, as plain data (see save_learner_state)."""
         for mid, engine in self.learner._engines.items():
             engine.save_checkpoint(path, tag=f"moe_rl-{mid}", save_latest=False)
-        save_learner_state(self._learner_extra(), os.path.join(path, f"learner_rank_{self.rank}.pt"))
+        save_learner_state(self.learner.kept_extra(), os.path.join(path, f"learner_rank_{self.rank}.pt"))
 
     def restore(self, path: str) -> None:
         for mid, engine in self.learner._engines.items():
             with weights_only_loads(engine):   # DeepSpeed's own load unpickles anything
                 engine.load_checkpoint(path, tag=f"moe_rl-{mid}", load_optimizer_states=True,
                                        load_lr_scheduler_states=True)
-        self._set_learner_extra(load_learner_state(os.path.join(path, f"learner_rank_{self.rank}.pt")))
+        self.learner.set_state(load_learner_state(os.path.join(path, f"learner_rank_{self.rank}.pt")))
 
     # --- the gate's last good state, kept in this process ---------------------------------------
     def can_keep_state(self) -> bool:
@@ -287,15 +262,10 @@ class LearnerActor:
         """Weights, optimizer moments, learner state and RNG, copied in memory (on the learner's
         device, into the previous copy's buffers): a snapshot per sync costs a memory copy, not a
         checkpoint write."""
-        self._kept = keep_state(*self._engine_parts(), self._learner_extra(), into=getattr(self, "_kept", None))
+        self.learner.keep_state()
 
     def restore_kept_state(self) -> None:
-        self._set_learner_extra(restore_state(self._kept, *self._engine_parts()))
-
-    def _engine_parts(self):
-        """({module_id: module}, {module_id: optimizer}) of the DeepSpeed engines."""
-        engines = self.learner._engines
-        return {mid: e.module for mid, e in engines.items()}, {mid: e.optimizer for mid, e in engines.items()}
+        self.learner.restore_kept_state()
 
 
 # --- learner_rank_{r}.pt: plain data only, loaded without unpickling code --------------------------

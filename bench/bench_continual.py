@@ -150,7 +150,7 @@ def welch_ci(a, b):
     dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if va + vb > 0 else 1
     # The t quantile at the exact (fractional) degrees of freedom: rounding them (2.09 -> 2) widened
     # the first registration's CI from [-0.367, +0.822] to [-0.392, +0.846].
-    from scipy import stats   # scipy comes with minatar
+    from scipy import stats  # scipy comes with minatar
     return statistics.fmean(a) - statistics.fmean(b), float(stats.t.ppf(0.975, dof)) * math.sqrt(va + vb)
 
 

@@ -90,10 +90,18 @@ def run_one(game: str, arm: str, seed: int, out: str, budget: int) -> None:
 def final_return(run: dict) -> float:
     """The mean of the per-iteration training returns (episode-weighted) over the last FINAL_SHARE
     of the budget."""
-    start = run["budget"] * (1 - FINAL_SHARE)
-    points = [c for c in run["curve"] if c["env_steps"] > start and c["episodes"] and c["return"] == c["return"]]
+    points = [c for c in _last_share(run) if c["episodes"] and c["return"] == c["return"]]
     weight = sum(c["episodes"] for c in points)
     return sum(c["return"] * c["episodes"] for c in points) / weight if weight else math.nan
+
+
+def final_dormant(run: dict) -> float:
+    values = [c["dormant"] for c in _last_share(run) if c["dormant"] == c["dormant"]]
+    return statistics.fmean(values) if values else math.nan
+
+
+def _last_share(run: dict) -> list:
+    return [c for c in run["curve"] if c["env_steps"] > run["budget"] * (1 - FINAL_SHARE)]
 
 
 def mean_ci(values):
@@ -111,7 +119,7 @@ def contrast_ci(plus, minus):
     terms = [statistics.variance(g) / len(g) for g, _ in groups]
     se2 = sum(terms)
     df = se2 ** 2 / sum(t ** 2 / (len(g) - 1) for t, (g, _) in zip(terms, groups)) if se2 > 0 else 1.0
-    from scipy import stats   # scipy comes with minatar
+    from scipy import stats  # scipy comes with minatar
     half = stats.t.ppf(0.975, df) * math.sqrt(se2)
     return est, est - half, est + half, df
 
@@ -138,8 +146,7 @@ def report(results: str) -> str:
             if arm not in arms:
                 continue
             m, h = mean_ci(finals[arm])
-            dormant = statistics.fmean(statistics.fmean([c["dormant"] for c in r["curve"][-max(1, len(r["curve"]) // 5):]])
-                                       for r in arms[arm])
+            dormant, _ = mean_ci([final_dormant(r) for r in arms[arm]])
             lines.append(f"| {arm} | {arms[arm][0]['parameters']} | {len(arms[arm])} | {m:.2f} ± {h:.2f} | "
                          + ", ".join(f"{v:.2f}" for v in finals[arm]) + f" | {dormant:.3f} |")
         if all(a in finals and len(finals[a]) > 1 for a in ("soft8", "soft4", "dense_wide", "dense")):

@@ -14,10 +14,10 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from moe_rl import MoEPPOConfig
-from moe_rl.core.drift_kinds import sparse_flip_rate
 from moe_rl.algo import faults
 from moe_rl.algo.sync_gate import GateStop
 from moe_rl.core.digests import differing, in_sample, sample_of, state_digests, tensor_digest
+from moe_rl.core.drift_kinds import sparse_flip_rate
 from moe_rl.core.gate import GateState, RelativeLimit, validate_consistency
 from moe_rl.core.state_copy import keep_state, restore_state
 from moe_rl.rllib.runner import runner_digests

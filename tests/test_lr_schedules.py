@@ -22,7 +22,8 @@ NAMES = {"router": "trunk.blocks.0.moe.router.gate.weight", "shared_expert": "tr
 
 def toolkit(**settings):
     params = [(name, torch.nn.Parameter(torch.zeros(2))) for name in NAMES.values()]
-    return StabilityToolkit(validate_stability(settings), params), [p for _, p in params]
+    groups = {name: group for group, name in NAMES.items()}   # each tensor stands for its group
+    return StabilityToolkit(validate_stability(settings), params, groups), [p for _, p in params]
 
 
 def group_lrs(optimizer):

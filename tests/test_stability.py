@@ -14,6 +14,7 @@ from moe_rl.core.anomaly import AnomalyDetector
 from moe_rl.core.balance import AdaptiveBalance
 from moe_rl.core.gradients import EXACT_QUANTILE_MAX, Lamb, abs_quantile, orthonormal_basis, project_, winsorize_
 from moe_rl.core.layer import MoELayer
+from moe_rl.core.param_groups import param_roles
 from moe_rl.core.routing import RoutingRecord
 from moe_rl.core.settings import ConfigError
 from moe_rl.core.stability import StabilityToolkit, expert_dropout_at, set_expert_dropout, validate_stability
@@ -22,7 +23,10 @@ pytestmark = pytest.mark.pure
 
 
 class TinyPolicy(nn.Module):
-    """Module paths like the real policy: trunk.*.moe.{router,experts,shared_expert}, pi, vf."""
+    """Module paths like the real policy: trunk.*.moe.{router,experts,shared_expert}, pi, vf, and its
+    roles (moe_rl.core.param_groups): the MoE layer's router, experts and shared expert declare theirs."""
+
+    PARAM_ROLES = {"pi": "policy_head", "vf": "value_head"}
 
     def __init__(self):
         super().__init__()
@@ -38,7 +42,7 @@ class TinyPolicy(nn.Module):
 
 
 def toolkit(model, **settings):
-    return StabilityToolkit(validate_stability(settings), model.named_parameters())
+    return StabilityToolkit(validate_stability(settings), model.named_parameters(), param_roles(model))
 
 
 def process(tk, lr, opt):

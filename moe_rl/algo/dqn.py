@@ -27,8 +27,8 @@ from ray.rllib.utils.replay_buffers.utils import update_priorities_in_episode_re
 
 from moe_rl.algo.moe_algorithm import Iteration, MoEAlgorithm
 from moe_rl.algo.moe_config import MoEConfig
-from moe_rl.core.sections import CorrectionSettings
 from moe_rl.core.errors import ConfigError
+from moe_rl.core.sections import CorrectionSettings
 from moe_rl.rllib import ray_private
 from moe_rl.rllib.dqn_learner import MoEDQNTorchLearner
 from moe_rl.rllib.q_module import MoEQModule

@@ -27,6 +27,7 @@ from ray.rllib.core.rl_module.multi_rl_module import MultiRLModuleSpec
 from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
 from moe_rl.core.errors import ConfigError
+from moe_rl.core.sections import plain
 from moe_rl.core.settings import validate_moe
 
 
@@ -77,7 +78,7 @@ def validate_multi_agent(section: Dict[str, Any], moe: Dict[str, Any], num_learn
         settings = None
         if not spec.get("dense"):
             try:
-                settings = validate_moe({**moe, **(spec.get("moe") or {})}, num_learners=num_learners)
+                settings = validate_moe({**plain(moe), **(spec.get("moe") or {})}, num_learners=num_learners)
             except ConfigError as e:
                 raise ConfigError(f"multi_agent.policies.{pid}.{e}") from None
         out[str(pid)] = {"dense": bool(spec.get("dense")), "moe": settings}

@@ -38,6 +38,7 @@ from ray.rllib.core.rl_module.rl_module import RLModule, RLModuleSpec
 
 from moe_rl import __version__
 from moe_rl.algo.algorithm import MoEPPOConfig
+from moe_rl.algo.dqn import MoEDQNConfig
 from moe_rl.app.checkpoint_integrity import (  # noqa: F401  (names callers reach through this module)
     CORRUPT_PREFIX,
     FORMAT,
@@ -60,7 +61,7 @@ from moe_rl.app.verified_copy import UntrustedCheckpoint, read_verified, verifie
 from moe_rl.core.errors import ConfigError
 from moe_rl.core.param_groups import without_targets
 from moe_rl.core.sharding import assemble_modules, assemble_shards, stack_experts, unstack_experts
-from moe_rl.rllib.rl_module import MoEPolicyModule
+from moe_rl.rllib import ray_private
 
 RNG_FILE = "driver_rng.pt"
 
@@ -166,7 +167,7 @@ def save_checkpoint(algo, checkpoints_dir: str, iteration: int, run_config: Opti
         algo.save_to_path(tmp)
         save_policy_shards(algo, tmp)
         save_rng_state(tmp)
-        write_manifest(tmp, iteration, run_config, getattr(algo, "_time_total", None))
+        write_manifest(tmp, iteration, run_config, ray_private.algorithm_time_total(algo))
         _fsync_tree(tmp)
         if os.path.exists(final):  # the same iteration again (after a resume or a learner restart)
             os.rename(final, old)
@@ -241,7 +242,7 @@ def restore_checkpoint(algo, path: str, require_signature: bool = True) -> Dict[
     finally:
         shutil.rmtree(copy, ignore_errors=True)
     if manifest.get("time_total_s") is not None:  # Trainable's clock (result time_total_s) goes on
-        algo._time_total = float(manifest["time_total_s"])
+        ray_private.set_algorithm_time_total(algo, float(manifest["time_total_s"]))
     return manifest
 
 
@@ -251,6 +252,20 @@ def module_settings(cfg: dict, module_id: str) -> Optional[Dict[str, Any]]:
     RLlib PPO module."""
     policy = ((cfg.get("multi_agent") or {}).get("policies") or {}).get(module_id) or {}
     return None if policy.get("dense") else {**cfg["moe"], **(policy.get("moe") or {})}
+
+
+# A run's algorithm -> its config class (for its module class) and the training keys its module
+# reads (DQN's heads and epsilon). APPO's policy is PPO's module without the target copy.
+MODULE_CONFIGS = {"ppo": (MoEPPOConfig, ()), "appo": (MoEPPOConfig, ()),
+                  "dqn": (MoEDQNConfig, ("double_q", "dueling", "num_atoms", "epsilon"))}
+
+
+def policy_module_spec(cfg: dict, moe: Dict[str, Any]) -> RLModuleSpec:
+    """The MoE module a run trained, with the training settings its module reads."""
+    config_class, keys = MODULE_CONFIGS[cfg.get("algo", "ppo")]
+    training = {k: v for k, v in (cfg.get("training") or {}).items() if k in keys}
+    model_config = dict(config_class().training(**training).model_config)
+    return RLModuleSpec(module_class=config_class.module_class, model_config={**model_config, "moe": moe})
 
 
 def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
@@ -269,7 +284,7 @@ def load_policy(checkpoint: str, cfg: dict, observation_space, action_space,
         raise ConfigError(f"RUN_DIR: checkpoint {checkpoint!r} holds no tensor-only policy files "
                           f"(learner_group/{SHARDS.format('N')}); it was written by an older moe-rl")
     moe = module_settings(cfg, module_id)
-    spec = (RLModuleSpec(module_class=MoEPolicyModule, model_config={"moe": moe}) if moe is not None else
+    spec = (policy_module_spec(cfg, moe) if moe is not None else
             RLModuleSpec(module_class=DefaultPPOTorchRLModule, catalog_class=PPOCatalog,
                          model_config=dict(MoEPPOConfig().model_config)))   # PPO's defaults, as the run built it
     spec.observation_space, spec.action_space, spec.inference_only = observation_space, action_space, False

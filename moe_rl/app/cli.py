@@ -31,7 +31,13 @@ from moe_rl.app.drift_study import SOURCES, run_study, trained_policy
 from moe_rl.app.evaluate import evaluate_run, evaluate_tasks
 from moe_rl.app.report import write_report
 from moe_rl.app.resume import model_conflicts, resume_config
-from moe_rl.app.run_config import apply_overrides, load_run_config, resolved, validate_run_config
+from moe_rl.app.run_config import (
+    apply_overrides,
+    default_config_path,
+    load_run_config,
+    resolved,
+    validate_run_config,
+)
 from moe_rl.app.run_dir import RunDir, check_output
 from moe_rl.app.run_lock import check_not_busy
 from moe_rl.app.run_signature import check_user_key, not_users_own, read_signed_file
@@ -49,9 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="show every dependency's log line too (moe-rl drops a few named ones: moe_rl/app/console.py)")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train an MoE policy with PPO (embedded Ray, or RAY_ADDRESS)")
+    t = sub.add_parser("train", help="train an MoE policy with PPO, APPO or DQN (embedded Ray, or RAY_ADDRESS)")
     t.add_argument("--config", help="run config YAML (default: the CartPole quickstart)")
-    t.add_argument("--algo", help="ppo (default) | appo: the RLlib algorithm (`algo:` in the config)")
+    t.add_argument("--algo", help="ppo (default) | appo | dqn: the RLlib algorithm (`algo:` in the config); without "
+                   "--config, that algorithm's own CartPole config (configs/cartpole.yaml, appo_cartpole.yaml, "
+                   "dqn_cartpole.yaml)")
     t.add_argument("--env", help="gymnasium env id")
     t.add_argument("--iterations", type=int, help="training iterations")
     t.add_argument("--output", help="run directory (default: runs/<env>-<time>)")
@@ -119,7 +127,7 @@ def cmd_train(args) -> int:
             _check_resume(args, saved, resolved(cfg, config),
                           lambda: resolved(*build(load_run_config(args.config))) if args.config else None)
         else:
-            cfg, config = build(load_run_config(args.config))
+            cfg, config = build(load_run_config(args.config or default_config_path(args.algo)))
         local = cluster_address() is None
         if local:   # a cluster's memory is known once connected: train_loop checks it there
             check_memory(config, psutil.virtual_memory().total, "this machine")

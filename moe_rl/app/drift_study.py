@@ -100,7 +100,7 @@ def measure(seq_len: int, source: str, seed: int, run_cfg=None, policy=None) -> 
     try:
         if policy is not None:
             load_trained_policy(algo, policy)
-        episodes = algo.sample_episodes()
+        episodes = algo.collect(algo.training_plan())
         algo.sync_gate.before_update(episodes, algo.iteration)
         algo.sync_gate.after_update(algo.iteration)
         row = algo.sync_gate.ledger()[-1]

@@ -41,13 +41,13 @@ import yaml
 import moe_rl.envs  # noqa: F401  registers the moe_rl/ namespace
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.algo.appo import MoEAPPOConfig
+from moe_rl.algo.dqn import MoEDQNConfig
 from moe_rl.algo.multi_agent import apply_multi_agent, import_path, validate_multi_agent
 from moe_rl.app import bounded_yaml
 from moe_rl.app.run_trust import refuse_import_paths
 from moe_rl.app.wandb_logger import validate_wandb
-from moe_rl.core.gate import validate_consistency
-from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, resolve_deepspeed, validate_moe, validate_weight_sync
-from moe_rl.core.stability import validate_stability
+from moe_rl.core.sections import plain
+from moe_rl.core.settings import MOE_DEFAULTS, ConfigError, validate_moe
 
 BUILDER_SECTIONS = ("env_runners", "learners", "training")
 TOP_LEVEL = {"algo": str, "env": str, "env_config": dict, "seed": int, "iterations": int,
@@ -58,11 +58,17 @@ RUN_DEFAULTS = {"algo": "ppo", "checkpoint_keep": 3, "checkpoint_verify_every_s"
                 "restore_on_learner_failure": True}
 SECTIONS = BUILDER_SECTIONS + ("moe", "deepspeed", "stability", "consistency", "weight_sync")
 # `algo:` -> the AlgorithmConfig a run builds; every one takes the same MoE sections.
-ALGOS = {"ppo": MoEPPOConfig, "appo": MoEAPPOConfig}
+ALGOS = {"ppo": MoEPPOConfig, "appo": MoEAPPOConfig, "dqn": MoEDQNConfig}
 
 
-def default_config_path() -> str:
-    return str(resources.files("moe_rl") / "configs" / "cartpole.yaml")
+# The config each algorithm runs when no --config is given: its own defaults for the default env.
+DEFAULT_CONFIGS = {"ppo": "cartpole.yaml", "appo": "appo_cartpole.yaml", "dqn": "dqn_cartpole.yaml"}
+
+
+def default_config_path(algo: Optional[str] = None) -> str:
+    """The quickstart of `algo` (PPO's for None or an algorithm it does not know: that one is named
+    by the config's validation)."""
+    return str(resources.files("moe_rl") / "configs" / DEFAULT_CONFIGS.get(algo or "ppo", DEFAULT_CONFIGS["ppo"]))
 
 
 def load_run_config(path: Optional[str] = None, flag: str = "--config", data: Optional[bytes] = None) -> Dict[str, Any]:
@@ -174,7 +180,7 @@ def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
             allowed = _builder_params(config, section)
             bad = sorted(set(values) - allowed)
             if bad:
-                raise ConfigError(f"{section}.{bad[0]}: unknown key, allowed: {', '.join(sorted(allowed))}")
+                raise ConfigError(_not_a_setting(section, bad[0], algo, allowed))
             _check_numbers(section, values)
             getattr(config, section)(**values)
     _share_the_schedule(config)
@@ -184,20 +190,26 @@ def validate_run_config(cfg: Dict[str, Any], trust_env_code: bool = True):
     config.consistency(**(cfg.get("consistency") or {}))
     config.weight_sync(**(cfg.get("weight_sync") or {}))
     config.debugging(seed=cfg.get("seed", 0))
-    validate_moe({**MOE_DEFAULTS, **config.moe_settings}, num_learners=config.num_learners)
-    if cfg.get("multi_agent") is not None:
-        apply_multi_agent(config, validate_multi_agent(cfg["multi_agent"], {**MOE_DEFAULTS, **config.moe_settings},
-                                                       config.num_learners, trust_env_code))
-    resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners)
-    validate_consistency(config.consistency_settings)
-    validate_stability(config.stability_settings)
-    validate_weight_sync(config.weight_sync_settings, uses_deepspeed=config.uses_deepspeed,
-                         num_env_runners=config.num_env_runners)
-    try:
+    if cfg.get("multi_agent") is not None:   # each policy's moe section overrides the run's, checked
+        moe = validate_moe(plain(config.moe_settings), num_learners=config.num_learners)
+        apply_multi_agent(config, validate_multi_agent(cfg["multi_agent"], moe, config.num_learners, trust_env_code))
+    try:   # every section checked once, there, and kept typed
         config.validate()
     except ValueError as e:  # RLlib's own checks: keep their message, one line
         raise ConfigError(str(e).splitlines()[0]) from None
     return config
+
+
+def _not_a_setting(section: str, key: str, algo: str, allowed: set) -> str:
+    """A key the run's algorithm does not take, named with the algorithms that do (the user wrote
+    it: a default of another algorithm never gets here), and the public keys it does take (RLlib's
+    private `_` ones are accepted but not offered)."""
+    owners = [name for name, cls in ALGOS.items() if name != algo and key in _builder_params(cls(), section)]
+    public = ", ".join(sorted(k for k in allowed if not k.startswith("_")))
+    if owners:
+        return (f"{section}.{key}: a setting of algo {' and '.join(owners)}, not of algo {algo}; "
+                f"remove it, or pick the algorithm it is for (algo {algo} takes: {public})")
+    return f"{section}.{key}: unknown key, allowed: {public}"
 
 
 # Numeric fields whose range RLlib does not check itself (or checks only after Ray starts).
@@ -350,11 +362,8 @@ def resolved(cfg: Dict[str, Any], config) -> Dict[str, Any]:
     """The fully resolved run config written to RUN_DIR/config.yaml."""
     out = {k: cfg[k] for k in TOP_LEVEL if k in cfg}
     out.update({k: cfg.get(k, v) for k, v in RUN_DEFAULTS.items()})
-    out["moe"] = dict(config.moe_settings)
-    out["deepspeed"] = resolve_deepspeed(config.deepspeed_settings, config.moe_settings, config.num_learners).to_dict()
-    out["stability"] = validate_stability(config.stability_settings).to_dict()
-    out["consistency"] = validate_consistency(config.consistency_settings).to_dict()
-    out["weight_sync"] = validate_weight_sync(config.weight_sync_settings).to_dict()
+    for section in ("moe", "deepspeed", "stability", "consistency", "weight_sync"):   # typed by validate()
+        out[section] = getattr(config, f"{section}_settings").to_dict()
     for section in BUILDER_SECTIONS:
         out[section] = {}
         for k in sorted(_builder_params(config, section)):

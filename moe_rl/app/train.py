@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+import psutil
 import ray
 
 from moe_rl.algo.resources import (
@@ -207,6 +208,14 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian, trust_run=False) 
 MAX_LEARNER_RESTARTS_IN_A_ROW = 3
 
 
+def drift_headline(row) -> str:
+    """The check's same-weights mismatch as the policy kind measures it: K3 of the log-probs, or the
+    largest Q-value gap over the Q scale (a Q-policy)."""
+    if row.get("drift/q_gap_max_rel") is not None:
+        return f"dQ {row['drift/q_gap_max_rel']:.2g}"
+    return f"k3 {row.get('drift/k3', float('nan')):.2g}"
+
+
 def progress_line(row) -> str:
     """One iteration on the console; a multi-task env adds the average over tasks and the worst task."""
     tasks = ""
@@ -218,7 +227,7 @@ def progress_line(row) -> str:
             f"return {row.get('episode_return_mean_100', row['episode_return_mean']):8.2f}{tasks}  "
             f"health {row.get('moe/health', '-'):8s}  "
             f"cv {row.get('moe/cv', float('nan')):.2f}  "
-            f"drift k3 {row.get('drift/k3', float('nan')):.2g}  "
+            f"drift {drift_headline(row)}  "
             f"{row.get('env_steps_per_s', float('nan')):5.0f} steps/s (sample {row.get('sample_s', 0):.1f}s "
             f"learn {row.get('learn_s', 0):.1f}s check {row.get('check_s', 0):.1f}s "
             f"sync {row.get('sync_s', 0):.1f}s)  {row['time_s']:.0f}s")
@@ -343,8 +352,29 @@ def start_local_ray(num_cpus: "int | None" = None, **init_kwargs) -> None:
     other process on a shared machine starves them."""
     keep_local_ray_on_loopback()
     require_token_auth()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=num_cpus,
-             _node_ip_address=LOOPBACK, _system_config=EMBEDDED_RAY_SYSTEM_CONFIG, **init_kwargs)
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = {c.pid for c in psutil.Process().children()}
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=num_cpus,
+                     _node_ip_address=LOOPBACK, _system_config=EMBEDDED_RAY_SYSTEM_CONFIG, **init_kwargs)
+            return
+        except Exception as e:   # Ray raises a bare Exception when its node does not register in time
+            if attempt == RAY_START_ATTEMPTS or RAY_NODE_TIMEOUT not in str(e):
+                raise
+            # Ray gives its raylet a fixed 30 s to register with the GCS (ray/_private/node.py), which a
+            # machine whose cores are busy with other work can overrun. The half-started node's
+            # processes are this process's new children: stopped before the next try.
+            for child in psutil.Process().children():
+                if child.pid not in before:
+                    child.kill()
+            ray.shutdown()
+            print(f"moe-rl: Ray's node did not register within Ray's 30 s (a busy machine); starting it again "
+                  f"(try {attempt + 1} of {RAY_START_ATTEMPTS})", flush=True)
+
+
+# A busy machine's slow start is retried; a third timeout is a machine that cannot run Ray now.
+RAY_START_ATTEMPTS = 3
+RAY_NODE_TIMEOUT = "timed out during startup"
 
 
 def listening_on() -> str:
