@@ -49,11 +49,18 @@ GROUP_STATE = "group_state.json"
 logger = logging.getLogger("moe_rl")
 
 
+class LearnerPlacementTimeout(RuntimeError):
+    """The learners' placement group could not be placed in time (str(): one line)."""
+
+
 class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
     is_local = False
     is_remote = True
 
-    def __init__(self, *, config, module_spec):
+    def __init__(self, *, config, module_spec, placement_timeout_s: Optional[float] = None):
+        """placement_timeout_s: give up (LearnerPlacementTimeout, the placement group removed) when
+        the learners' own placement group is not placed within it; None: wait (the first build is
+        watched by moe_rl.app.train's WaitWatch, which says what is missing)."""
         self.config, self.module_spec = config, module_spec
         n = config.num_learners
         ds = config.deepspeed_settings
@@ -66,6 +73,11 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
             self._pg, self._own_pg, first = trial_pg, False, len(trial_pg.bundle_specs) - n
         else:
             self._pg, self._own_pg, first = placement_group(bundles, strategy=ds.placement_strategy), True, 0
+            if placement_timeout_s is not None and not self._pg.wait(timeout_seconds=placement_timeout_s):
+                remove_placement_group(self._pg)
+                raise LearnerPlacementTimeout(
+                    f"the {n} learners ({bundles[0]} each, {ds.placement_strategy}) could not be placed within "
+                    f"{placement_timeout_s:g}s (cluster.wait_timeout_s): the cluster has no room for them now")
         logger.info("moe-rl: starting %d DeepSpeed learners (ep_size %d, each %s) ...", n,
                     config.moe_settings.ep_size, bundles[0])
         t0 = time.monotonic()
@@ -208,11 +220,14 @@ class DeepSpeedLearnerGroup(LearnerGroupOps, Checkpointable):
                     dead.append(rank)
         return dead
 
-    def rebuild(self) -> DeepSpeedLearnerGroup:
+    def rebuild(self, placement_timeout_s: Optional[float] = None) -> DeepSpeedLearnerGroup:
         """A fresh group with the same config: new actors, new process groups (a DeepSpeed/gloo
-        process group cannot be repaired in place once a member died). Restore state afterwards."""
+        process group cannot be repaired in place once a member died). Restore state afterwards.
+        After a lost host the rest of the cluster may have no room for it: LearnerPlacementTimeout
+        after placement_timeout_s (None: wait)."""
         self.shutdown()
-        return DeepSpeedLearnerGroup(config=self.config, module_spec=self.module_spec)
+        return DeepSpeedLearnerGroup(config=self.config, module_spec=self.module_spec,
+                                     placement_timeout_s=placement_timeout_s)
 
     def shutdown(self) -> None:
         for w in self._workers:

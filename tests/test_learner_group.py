@@ -238,3 +238,24 @@ def test_ep_size_must_divide_learners(kwargs, field):
 def test_ep_size_must_divide_experts():
     with pytest.raises(ConfigError, match="^moe.ep_size: must be a divisor of moe.num_experts=4"):
         ds_config(ep_size=3).learners(num_learners=3).validate()
+
+
+def test_a_group_that_cannot_be_placed_gives_up_in_time_and_leaves_nothing_behind(ray_local):
+    """After a lost host the rest of the cluster may have no room for the rebuilt group: it gives up
+    after cluster.wait_timeout_s (LearnerPlacementTimeout, one line), its placement group removed,
+    instead of waiting forever (found by tests/test_two_hosts.py)."""
+    import time
+
+    from ray.util import placement_group_table
+
+    from moe_rl.actors.learner_group import DeepSpeedLearnerGroup, LearnerPlacementTimeout
+    config = ds_config().learners(custom_resources_per_learner={"a_host_that_is_gone": 1})
+    config.validate()
+    before = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+    t0 = time.monotonic()
+    with pytest.raises(LearnerPlacementTimeout, match=r"could not be placed within 2s \(cluster.wait_timeout_s\)"):
+        DeepSpeedLearnerGroup(config=config, module_spec=config.get_multi_rl_module_spec(env=ENV),
+                              placement_timeout_s=2.0)
+    assert time.monotonic() - t0 < 30
+    left = {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+    assert left <= before

@@ -60,6 +60,8 @@ class MoEConfig(ModelConfigCarriesMoE, MoESections):
     def build_learner_group(self, *, env=None, spaces=None, rl_module_spec=None, placement_group=None):
         """RLlib's LearnerGroup (as MoELearnerGroup), or the DeepSpeed expert-parallel group: both
         offer the learner-group interface of moe_rl.rllib.learner_group."""
+        if not ray_private.config_is_frozen(self):   # called directly (not by build_algo): check it first
+            self.validate()
         if rl_module_spec is None:
             rl_module_spec = self.get_multi_rl_module_spec(env=env, spaces=spaces)
         if not self.uses_deepspeed:

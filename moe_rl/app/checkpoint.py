@@ -37,6 +37,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.core.rl_module.rl_module import RLModule, RLModuleSpec
 
 from moe_rl import __version__
+from moe_rl.actors.learner_group import LearnerPlacementTimeout
 from moe_rl.algo.algorithm import MoEPPOConfig
 from moe_rl.algo.dqn import MoEDQNConfig
 from moe_rl.app.checkpoint_integrity import (  # noqa: F401  (names callers reach through this module)
@@ -363,7 +364,8 @@ class LearnerFailure(RuntimeError):
     """A learner died and the run stops; str() is one line naming it and how to --resume."""
 
 
-def recover_learners(algo, error: BaseException, run_dir: str, restore: bool) -> Tuple[str, str]:
+def recover_learners(algo, error: BaseException, run_dir: str, restore: bool,
+                     placement_timeout_s: Optional[float] = None) -> Tuple[str, str]:
     """After a Ray error in algo.train(): if learners died, rebuild the whole learner group (a
     DeepSpeed process group cannot be repaired in place) and restore the newest good checkpoint.
     Returns (checkpoint, who died). Raises LearnerFailure when that is off or impossible, and
@@ -380,7 +382,10 @@ def recover_learners(algo, error: BaseException, run_dir: str, restore: bool) ->
     if good is None:
         raise LearnerFailure(f"{who} died ({type(error).__name__}) before the first good checkpoint; "
                              "nothing to restore from: start the run again")
-    algo.learner_group = algo.learner_group.rebuild()
+    try:
+        algo.learner_group = algo.learner_group.rebuild(placement_timeout_s)
+    except LearnerPlacementTimeout as e:   # a lost host took their room: say so, resumably
+        raise LearnerFailure(f"{who} died ({type(error).__name__}) and {e}; {hint}") from None
     try:
         restore_checkpoint(algo, good)
     except (CheckpointError, UntrustedCheckpoint) as e:   # changed under the run, or one not signed by it

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 import psutil
 import ray
@@ -159,7 +160,8 @@ def _train_loop(config, cfg, run, resume_from, stop, guardian, trust_run=False) 
                 failures_in_a_row += 1
                 if failures_in_a_row > MAX_LEARNER_RESTARTS_IN_A_ROW:
                     raise
-                good, who = ck.recover_learners(algo, e, run.path, cfg.get("restore_on_learner_failure", True))
+                good, who = ck.recover_learners(algo, e, run.path, cfg.get("restore_on_learner_failure", True),
+                                                wait_timeout(cfg))
                 _continue_run(algo, run, good)
                 restarts += 1
                 print(f"moe-rl: {who} died; rebuilt the learner group and restored {good} "
@@ -272,8 +274,7 @@ def _build_within_the_cluster(config, cfg, demand):
     if never and not scaler:
         raise ResourceWait(f"this fixed cluster can never hold the run: it lacks {fmt_bundle(never)} in total; "
                            f"the smallest change that fits: {suggestion(config, never, total)}")
-    section = cfg.get("cluster") or {}
-    timeout = section.get("wait_timeout_s", None if scaler else DEFAULT_WAIT_TIMEOUT_S)
+    timeout = wait_timeout(cfg, scaler)
     phase = Phase(f"building the algorithm ({config.num_env_runners} env runners, {config.num_learners} learners)")
     try:
         with WaitWatch(demand, timeout):
@@ -288,6 +289,14 @@ def _build_within_the_cluster(config, cfg, demand):
 
 
 DEFAULT_WAIT_TIMEOUT_S = 120.0
+
+
+def wait_timeout(cfg, scaler: Optional[bool] = None) -> Optional[float]:
+    """cluster.wait_timeout_s: how long actors may wait to be placed (default 120 s on a fixed
+    cluster, no limit with an autoscaler). scaler None: ask the cluster."""
+    if scaler is None:
+        scaler = cluster_view()[2]
+    return (cfg.get("cluster") or {}).get("wait_timeout_s", None if scaler else DEFAULT_WAIT_TIMEOUT_S)
 
 
 class Phase:
