@@ -20,22 +20,19 @@ env steps trained per step sampled. One JSON per (arm, seed) under bench/results
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_minigrid import _write_json, missing_runs  # noqa: E402
+import peer_curves  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results", "appo_fair")
 ARMS = ("stock_appo", "moe_appo", "dense_appo")
-BUDGET, TARGET, GRID = 200_000, 150.0, range(20_000, 200_001, 20_000)
+METRIC = peer_curves.Metric(budget=200_000, grid=range(20_000, 200_001, 20_000), target=150.0,
+                            pairs=(("moe_appo", "stock_appo"), ("moe_appo", "dense_appo"),
+                                   ("dense_appo", "stock_appo")))
 
 
 def build(arm: str, seed: int):
@@ -56,95 +53,5 @@ def build(arm: str, seed: int):
             .debugging(seed=seed))
 
 
-def run_one(arm: str, seed: int, out: str) -> None:
-    import ray
-
-    from moe_rl.app.train import start_local_ray
-    config = build(arm, seed)
-    start_local_ray(num_cpus=max(os.cpu_count() or 1, config.num_env_runners + 1))
-    try:
-        algo = config.build_algo()
-        start, curve, steps = time.time(), [], 0
-        while steps < BUDGET:
-            r = algo.train()
-            steps = r["env_runners"]["num_env_steps_sampled_lifetime"]
-            curve.append({"time_s": time.time() - start, "env_steps": steps,
-                          "return": r["env_runners"].get("episode_return_mean"),
-                          "trained_steps": r["learners"]["__all_modules__"].get("num_env_steps_trained_lifetime")})
-            print(f"{arm} seed {seed}: {steps} steps, return {curve[-1]['return']}, {curve[-1]['time_s']:.0f}s",
-                  flush=True)
-        algo.stop()
-    finally:
-        ray.shutdown()
-    _write_json(out, {"arm": arm, "seed": seed, "curve": curve, "command": " ".join(sys.argv)})
-
-
-def figures(run: dict) -> dict:
-    """The registered figures of one run, from its curve."""
-    curve = [c for c in run["curve"] if c["return"] is not None]
-    at = [next((c["return"] for c in reversed(curve) if c["env_steps"] <= mark), math.nan) for mark in GRID]
-    hit = next((c for c in curve if c["return"] >= TARGET), None)
-    last = run["curve"][-1]
-    return {"grid_mean": statistics.fmean(v for v in at if v == v) if any(v == v for v in at) else math.nan,
-            "steps_to_target": hit and hit["env_steps"], "time_to_target_s": hit and hit["time_s"],
-            "steps_per_s": last["env_steps"] / last["time_s"],
-            "trained_per_sampled": (last["trained_steps"] or 0) / last["env_steps"],
-            "final": curve[-1]["return"] if curve else math.nan}
-
-
-def _ci(values):
-    """Mean and the 95 % t half-width."""
-    t95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
-    m = statistics.fmean(values)
-    return m, (t95.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
-               if len(values) > 1 else math.nan)
-
-
-def report(results: str) -> str:
-    runs = {}
-    for name in sorted(os.listdir(results)) if os.path.isdir(results) else []:
-        if name.endswith(".json"):
-            with open(os.path.join(results, name)) as f:
-                r = json.load(f)
-            runs.setdefault(r["arm"], {})[r["seed"]] = figures(r)
-    lines = ["| arm | seeds | return over the 20-200 k grid (mean ± 95 % CI) | reached 150 | env steps to 150 "
-             "(median) | env steps/s (median) | trained per sampled step | final return (median) |",
-             "|---" * 8 + "|"]
-    for arm in ARMS:
-        by_seed = runs.get(arm)
-        if not by_seed:
-            continue
-        m, h = _ci([f["grid_mean"] for f in by_seed.values()])
-        hits = [f["steps_to_target"] for f in by_seed.values() if f["steps_to_target"] is not None]
-        lines.append(f"| {arm} | {len(by_seed)} | {m:.1f} ± {h:.1f} | {len(hits)}/{len(by_seed)} | "
-                     f"{statistics.median(hits) if hits else '-'} | "
-                     f"{statistics.median(f['steps_per_s'] for f in by_seed.values()):.0f} | "
-                     f"{statistics.median(f['trained_per_sampled'] for f in by_seed.values()):.2f} | "
-                     f"{statistics.median(f['final'] for f in by_seed.values()):.0f} |")
-    for a, b in (("moe_appo", "stock_appo"), ("moe_appo", "dense_appo"), ("dense_appo", "stock_appo")):
-        seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
-        if len(seeds) > 1:
-            m, h = _ci([runs[a][s]["grid_mean"] - runs[b][s]["grid_mean"] for s in seeds])
-            lines.append(f"\n{a} - {b}, grid mean, paired over seeds {seeds}: {m:+.1f} (95 % CI "
-                         f"[{m - h:+.1f}, {m + h:+.1f}])")
-    return "\n".join(lines)
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--seeds", default="0-4")
-    p.add_argument("--results", default=RESULTS)
-    p.add_argument("--report", action="store_true")
-    args = p.parse_args()
-    if args.report:
-        print(report(args.results))
-        return
-    os.makedirs(args.results, exist_ok=True)
-    for arm, seed, out in missing_runs(args.seeds, args.arms, ARMS,
-                                       lambda a, s: os.path.join(args.results, f"cartpole-{a}-seed{s}.json")):
-        run_one(arm, seed, out)
-
-
 if __name__ == "__main__":
-    main()
+    peer_curves.main(__doc__, ARMS, build, METRIC, RESULTS, lambda arm, seed: f"cartpole-{arm}-seed{seed}.json")
