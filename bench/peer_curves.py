@@ -43,10 +43,13 @@ def run_one(build: Callable, arm: str, seed: int, out: str, budget: int) -> None
         start, curve, steps = time.time(), [], 0
         while steps < budget:
             r = algo.train()
+            if "num_env_steps_sampled_lifetime" not in r.get("env_runners", {}):
+                continue   # stock APPO on a busy machine: an iteration in which no sample came back
             steps = r["env_runners"]["num_env_steps_sampled_lifetime"]
             curve.append({"time_s": time.time() - start, "env_steps": steps,
                           "return": r["env_runners"].get("episode_return_mean"),
-                          "trained_steps": r["learners"]["__all_modules__"].get("num_env_steps_trained_lifetime"),
+                          "trained_steps": r.get("learners", {}).get("__all_modules__", {}).get(
+                              "num_env_steps_trained_lifetime"),
                           "check_s": r.get("moe_rl", {}).get("check_s", 0.0)})
             print(f"{arm} seed {seed}: {steps} steps, return {curve[-1]['return']}, {curve[-1]['time_s']:.0f}s",
                   flush=True)
