@@ -103,6 +103,7 @@ def test_another_algorithms_setting_the_user_wrote_is_refused_by_name_with_publi
 
 
 # --- real runs ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_algo_appo_from_the_defaults_survives_iterations_without_a_check(tmp_path):
     """`moe-rl train --algo appo` as a new user types it (APPO's own quickstart config), with the
     check rarer than the updates: only the first of three iterations holds one, so the later rows
@@ -117,6 +118,7 @@ def test_algo_appo_from_the_defaults_survives_iterations_without_a_check(tmp_pat
     assert pq.read_table(run / "drift.parquet").num_rows == 1
 
 
+@pytest.mark.slow
 def test_a_moe_appo_run_records_lag_and_mismatch_apart_and_hold_takes_no_action(tmp_path):
     """3 iterations, 2 rollout actors, consistency.policy hold: the ledger has steps one sync old
     (lag > 0) while the same-weights mismatch stays at fp32 rounding, and no check acts."""

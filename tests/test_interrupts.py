@@ -118,6 +118,7 @@ class UserRun:
 DRAIN_S = 3
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_terminal_stops_cleanly_and_twice_stops_at_once(tmp_path):
     run = tmp_path / "run"
     user = UserRun("train", "--output", str(run), "--iterations", "8", *TINY_RUN)

@@ -80,6 +80,7 @@ def test_head_tests_leave_an_unrelated_head_and_a_training_run_alive(tmp_path):
         head_ray = _core(head_sid)
         assert len(run_ray) == 2 and len(head_ray) == 2, (run_ray, head_ray)
         nested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                 "-m", "",   # every named test, whatever setup.cfg's -m (they are slow)
                                  *[os.path.join(TESTS, t) for t in HEAD_TESTS]],
                                 cwd=ROOT, capture_output=True, text=True, timeout=1800)
         # First what the head tests do to others; their own checks are judged at the end.

@@ -204,8 +204,8 @@ class Hooks:
                 self.after_save[iteration](algo)
             return path
 
-        def restore_checkpoint(algo, path):
-            manifest = restore(algo, path)
+        def restore_checkpoint(algo, path, **kw):
+            manifest = restore(algo, path, **kw)
             self.restored.append((manifest["iteration"], algo.iteration, learner_snapshot(algo),
                                   torch.get_rng_state()))
             return manifest
@@ -399,11 +399,11 @@ def kill_learner_on_update(monkeypatch, rank, iteration):
     from moe_rl.algo.algorithm import MoEPPO
     update = MoEPPO._update
 
-    def killing_update(self, episodes):
+    def killing_update(self, episodes, *args):
         if self.iteration + 1 == iteration and not getattr(self, "_test_killed", False):
             self._test_killed = True
             ray.kill(self.learner_group._workers[rank])
-        return update(self, episodes)
+        return update(self, episodes, *args)
     monkeypatch.setattr(MoEPPO, "_update", killing_update)
 
 

@@ -314,6 +314,7 @@ def test_a_lost_host_costs_the_iteration_in_flight_and_the_run_finishes(hosts, t
     metrics = rows(run / "metrics.parquet")
     assert [r["iteration"] for r in metrics] == [1, 2, 3, 4]       # no row twice, none missing
     assert metrics[-1]["faults/learner_restarts"] == 1
+    assert metrics[-1]["faults/env_runner_failures"] == 1   # B's rollout actor, lost outside a sample too
     assert [c["iteration"] for c in rows(run / "drift.parquet")] == [1, 2, 3, 4]
     assert not (run / "INCOMPLETE").exists()
     assert state["printed"] == [1, 2, 3, 4]   # iteration 3 ran once to its end: only its first try was lost

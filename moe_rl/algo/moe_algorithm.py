@@ -73,6 +73,7 @@ class MoEAlgorithm:
         self._sync_rollout_weights()
         self._faults = {"env_runner_failures": 0, "lost_env_steps": 0, "env_runners_restored": 0,
                         "nonfinite_episodes_dropped": 0, "nonfinite_env_steps_dropped": 0}
+        self._healthy_runners = self._healthy_runner_ids()
         self.monitoring = MoEMonitoring(self)   # driver-only: anomaly detection, memory, Prometheus
         self.callbacks = force_list(self.callbacks) + [self.monitoring]
 
@@ -140,7 +141,7 @@ class MoEAlgorithm:
         is counted (`faults/*`), and RLlib restarts the actor before the next step. Episodes with
         non-finite observations or rewards are dropped here and counted."""
         group = self.env_runner_group
-        healthy = group.num_healthy_remote_workers() if group.num_remote_env_runners() else 0
+        self._faults["env_runner_failures"] += self._runners_lost()   # since the last look: in a sync or check
         if plan.sampling == "asynchronous" and group.num_remote_env_runners():
             episodes, metrics = self._collect_asynchronously(self.config.total_train_batch_size)
         else:
@@ -152,7 +153,7 @@ class MoEAlgorithm:
                 _uses_new_env_runners=True, _return_metrics=True)
         if episodes:
             self.metrics.aggregate(metrics, key=ENV_RUNNER_RESULTS)
-        return self.count_sampling_faults(healthy, episodes)
+        return self.count_sampling_faults(episodes)
 
     def _collect_asynchronously(self, target: int):
         """Whatever the rollout actors finished, until a batch is full. Every rollout actor keeps a
@@ -260,11 +261,23 @@ class MoEAlgorithm:
         self._sync_rollout_weights()   # the restored weights are a new version for the rollouts
 
     # --- faults -----------------------------------------------------------------------------------
-    def count_sampling_faults(self, healthy_before: int, episodes) -> list:
+    def _healthy_runner_ids(self) -> set:
+        group = self.env_runner_group
+        return set(group.healthy_env_runner_ids()) if group.num_remote_env_runners() else set()
+
+    def _runners_lost(self) -> int:
+        """Rollout actors that were healthy at the last look and are not now, wherever they were
+        lost (sampling, a weight sync, the check's digests, a lost host); one restored by RLlib
+        is healthy again and counts again if it is lost again."""
+        now = self._healthy_runner_ids()
+        lost, self._healthy_runners = self._healthy_runners - now, now
+        return len(lost)
+
+    def count_sampling_faults(self, episodes) -> list:
         """Rollout actors lost while sampling (a failed request loses one rollout fragment per
         vectorised env) and episodes with NaN/Inf observations or rewards, which never reach the
         checks or the learners: dropped here and counted (`faults/*`)."""
-        failed = max(0, healthy_before - self.env_runner_group.num_healthy_remote_workers())
+        failed = self._runners_lost()
         self._faults["env_runner_failures"] += failed
         self._faults["lost_env_steps"] += failed * self.config.get_rollout_fragment_length() * max(
             1, self.config.num_envs_per_env_runner)
@@ -279,10 +292,14 @@ class MoEAlgorithm:
         """RLlib restarts failed rollout actors and syncs them from the learner group, which may
         be ahead of the version the rollouts run (a hold). A replacement takes the synced version
         before it samples."""
+        if env_runner_group is not self.env_runner_group or not hasattr(self, "_faults"):
+            return super().restore_env_runners(env_runner_group)
+        self._faults["env_runner_failures"] += self._runners_lost()   # before RLlib makes them healthy again
         restored = super().restore_env_runners(env_runner_group)
-        if not restored or env_runner_group is not self.env_runner_group:
+        if not restored:
             return restored
         self._faults["env_runners_restored"] += len(restored)
+        self._healthy_runners |= set(restored)
         if self.gate.version:
             self.gate.push_synced_weights(runner_ids=restored, force=True)
         return restored

@@ -225,9 +225,10 @@ def progress_line(row) -> str:
         worst = min((k for k in row if k.startswith("task/") and k.endswith("/return") and row[k] == row[k]),
                     key=row.get)
         tasks = f"  tasks avg {row['task_return_mean']:.2f} worst {worst.split('/')[1]} {row[worst]:.2f}"
+    health = row.get("moe/health")   # NaN in an iteration without a grade (DQN grades every few updates)
     return (f"iter {row['iteration']:4d}  steps {row['env_steps_total']:8d}  "
             f"return {row.get('episode_return_mean_100', row['episode_return_mean']):8.2f}{tasks}  "
-            f"health {row.get('moe/health', '-'):8s}  "
+            f"health {health if isinstance(health, str) else '-':8s}  "
             f"cv {row.get('moe/cv', float('nan')):.2f}  "
             f"drift {drift_headline(row)}  "
             f"{row.get('env_steps_per_s', float('nan')):5.0f} steps/s (sample {row.get('sample_s', 0):.1f}s "

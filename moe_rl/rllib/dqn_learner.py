@@ -8,4 +8,4 @@ from moe_rl.rllib.moe_learner import MoELearner
 
 
 class MoEDQNTorchLearner(MoELearner, DQNTorchLearner):
-    pass
+    health_min_rows = 512   # every 8th update of 64 replayed transitions, every 16th of 32

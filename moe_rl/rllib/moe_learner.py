@@ -36,10 +36,6 @@ from moe_rl.rllib.replay import MismatchedReplay
 from moe_rl.rllib.rl_module import MOE_ROUTING, MoEPolicyModule, module_dormancy
 from moe_rl.rllib.weight_publishing import WeightPublisher
 
-# The health grade and the dormant probe judge at least this many rows' routing: every update of
-# PPO and APPO (1 000 steps and more), every few of DQN (32 transitions each), so that a healthy
-# expert idle by chance in one small draw never reads as dead.
-HEALTH_MIN_ROWS = 512
 
 STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"
@@ -51,6 +47,12 @@ OWN_STATE = (STABILITY_STATE, KL_COEFFS, LR_SCALE, BALANCE_STATE)
 class MoELearner(StabilityPart, WeightPublisher):
     """Mixed in before an RLlib TorchLearner."""
 
+    # The health grade and the dormant probe judge at least this many rows' routing since the last
+    # grade. 0: every update, for PPO and APPO, whose updates are whole train batches; a learner of
+    # small updates (DQN's 32 replayed transitions) sets more, so that a healthy expert idle by
+    # chance in one small draw never reads as dead.
+    health_min_rows = 0
+
     def build(self) -> None:
         self._last_routing: Dict[str, list] = {}
         self._last_obs: Dict[str, Any] = {}
@@ -59,7 +61,7 @@ class MoELearner(StabilityPart, WeightPublisher):
         self._health: Dict[str, HealthWatch] = {}   # per module: the grade's streaks over updates
         self._balancing: Dict[str, tuple] = {}   # module_id -> (module, its routers with balancing state)
         self._loss_stats: Dict[str, Dict[str, Any]] = {}   # the last minibatch's router-loss figures
-        self._graded_rows: Dict[str, int] = {}   # rows the load to grade holds (HEALTH_MIN_ROWS)
+        self._graded_rows: Dict[str, int] = {}   # rows the load to grade holds (health_min_rows)
         # fn(learner, module_id), run on the parameters' .grad before the stability toolkit:
         # custom gradient surgery, or fault injection in tests.
         self.grad_hooks: List[Callable] = []
@@ -127,7 +129,7 @@ class MoELearner(StabilityPart, WeightPublisher):
     # --- metrics, once per update -----------------------------------------------------------------
     def after_gradient_based_update(self, *, timesteps) -> None:
         """Once per update, not per minibatch: the toolkits' last figures (group norms, LRs, skipped
-        steps); once at least HEALTH_MIN_ROWS rows were routed since the last grade, the health
+        steps); once at least health_min_rows rows were routed since the last grade, the health
         metrics: the load over those minibatches, entropy and logit statistics of the last one's
         routing, and the dormant share of the trunk's units.
         RLlib moves its lr schedule on first and sets it on every param group (its metric
@@ -135,7 +137,7 @@ class MoELearner(StabilityPart, WeightPublisher):
         super().after_gradient_based_update(timesteps=timesteps)
         for module_id, stats in self.reset_group_lrs().items():
             stats.update(self._loss_stats.pop(module_id, {}))
-            if self._graded_rows.get(module_id, 0) < HEALTH_MIN_ROWS:   # DQN's updates of a few dozen rows
+            if self._graded_rows.get(module_id, 0) < self.health_min_rows:   # DQN's updates of a few dozen rows
                 self.metrics.log_dict(stats, key=module_id, window=1)
                 continue
             self._graded_rows[module_id] = 0
