@@ -53,10 +53,13 @@ def run_one(build: Callable, arm: str, seed: int, out: str, budget: int) -> None
                           "check_s": r.get("moe_rl", {}).get("check_s", 0.0)})
             print(f"{arm} seed {seed}: {steps} steps, return {curve[-1]['return']}, {curve[-1]['time_s']:.0f}s",
                   flush=True)
+            # an interrupted run's curve so far, never counted (a run starts again from the beginning)
+            _write_json(out + ".partial", {"arm": arm, "seed": seed, "curve": curve})
         algo.stop()
     finally:
         ray.shutdown()
     _write_json(out, {"arm": arm, "seed": seed, "curve": curve, "command": " ".join(sys.argv)})
+    os.unlink(out + ".partial")
 
 
 def figures(run: dict, metric: Metric) -> dict:

@@ -128,7 +128,9 @@ def test_a_moe_appo_run_records_lag_and_mismatch_apart_and_hold_takes_no_action(
                   "--set", "checkpoint_every=3")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = pq.read_table(run / "drift.parquet").to_pylist()
-    assert len(rows) >= 10
+    # a check per update; an iteration lasts 10 s, so how many updates it holds depends on the
+    # machine's load (6 in three iterations on a busy one, dozens on a quiet one)
+    assert len(rows) >= 3
     assert max(r["policy_lag_max"] for r in rows) >= 1 and any(r["policy_lag_share"] > 0 for r in rows)
     # A batch of 500 steps from samples of 200: the ones in flight at the sync were taken with the
     # weights before it, at least one after it with the synced ones (mismatch is measured there).

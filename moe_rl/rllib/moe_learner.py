@@ -36,7 +36,6 @@ from moe_rl.rllib.replay import MismatchedReplay
 from moe_rl.rllib.rl_module import MOE_ROUTING, MoEPolicyModule, module_dormancy
 from moe_rl.rllib.weight_publishing import WeightPublisher
 
-
 STABILITY_STATE = "moe_rl_stability"
 KL_COEFFS = "moe_rl_kl_coeffs"
 LR_SCALE = "moe_rl_lr_scale"
