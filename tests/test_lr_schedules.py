@@ -197,7 +197,8 @@ def test_a_run_reports_each_groups_lr_as_configured_beside_rllibs_lr_schedule(ra
         rllib_lrs = []
         for _ in range(3):
             r = algo.train()
-            steps = learner._stability[MID].step_count
+            [(_, toolkit)] = learner.toolkits(MID)
+            steps = toolkit.step_count
             res = r["learners"][MID]
             # RLlib's lr as it stands after this update (its Scheduler over sampled env steps) ...
             sampled = r["env_runners"]["num_env_steps_sampled_lifetime"]

@@ -227,4 +227,4 @@ def test_a_two_iteration_mt3_run_writes_per_task_figures_and_evaluates_per_task(
 def test_the_task_router_takes_its_task_count_from_the_env():
     """A user's own four-task mix through the MT3 config, with no other key set."""
     config = validate_run_config(_mt3('env_config={"tasks": [LavaGapS7, RedBlueDoors-6x6, MemoryS11, DoorKey-6x6]}'))
-    assert config.moe_settings["task_slice"] == [0, 4] and config.moe_settings["router_kwargs"]["num_tasks"] == 4
+    assert list(config.moe_settings.task_slice) == [0, 4] and config.moe_settings.router_kwargs["num_tasks"] == 4

@@ -6,6 +6,7 @@ from ray.rllib.core.columns import Columns
 from ray.rllib.utils.metrics import ENV_RUNNER_SAMPLING_TIMER, LEARNER_UPDATE_TIMER, SYNCH_WORKER_WEIGHTS_TIMER
 
 from moe_rl import MoEPPO, MoEPPOConfig
+from moe_rl.algo.results import metrics_row
 from moe_rl.core.health import HEALTHY
 from moe_rl.core.settings import ConfigError
 from moe_rl.rllib.rl_module import MOE_TOPK
@@ -79,7 +80,8 @@ def test_each_phase_is_timed_once_for_rllib_and_for_the_iteration(trained):
         assert timers[rllib_key] > 0 and phases[phase] > 0, (rllib_key, phase)
     spent = sum(phases[k] for k in ("sample_s", "check_s", "learn_s", "sync_s"))
     steps = result["env_runners"]["num_env_steps_sampled"]
-    assert phases["env_steps_per_s"] == pytest.approx(steps / spent, rel=1e-6)
+    assert phases["env_steps"] == steps   # the metrics row divides them (moe_rl.algo.results)
+    assert metrics_row(result)["env_steps_per_s"] == pytest.approx(steps / spent, rel=1e-6)
     assert spent <= result["time_this_iter_s"]
 
 

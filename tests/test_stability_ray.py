@@ -23,7 +23,7 @@ def step_on_every_learner(learner, data, poison_rank=None):
         dict(module.named_parameters())[name].grad.view(-1)[0] = float("nan")
     named = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     learner.apply_gradients(grads)
-    tk = learner._stability[MID]
+    [(_, tk)] = learner.toolkits(MID)
     norms = {k: tk.last_stats[k] for k in ("stability/grad_norm/experts", "stability/grad_norm/total")}
     return {"skipped": tk.skipped, "steps": tk.step_count, "norms": norms, "grads": named,
             "ep_rank": learner.ep_rank}
@@ -87,7 +87,7 @@ def test_moe_ppo_with_the_toolkit_skips_poisoned_iterations_and_reports_lrs(ray_
     try:
         r1 = algo.train()["learners"][MID]
         steps = (r1["stability/skipped_steps"],
-                 algo.learner_group.foreach_learner(lambda l: l._stability[MID].step_count))
+                 algo.learner_group.foreach_learner(lambda l: l.toolkits(MID)[0][1].step_count))
         assert steps[0] == 0 and steps[1][0] == steps[1][1] > 0
         n = steps[1][0]
         assert r1["stability/lr/router"] == pytest.approx(5e-6)
@@ -142,7 +142,8 @@ def test_reinforce_router_is_trained_by_its_policy_gradient_loss(ray_local):
 
 
 def toolkit_steps(learner) -> int:
-    return learner.get_state()[STABILITY_STATE][MID]["step_count"]
+    [state] = [v for k, v in learner.get_state()[STABILITY_STATE].items() if k.split("|")[0] == MID]
+    return state["step_count"]
 
 
 def test_schedules_continue_after_a_checkpoint_restore(ray_local, tmp_path):

@@ -6,6 +6,7 @@ import pytest
 
 from moe_rl.app.cli import main
 from moe_rl.app.run_config import load_run_config, validate_run_config
+from moe_rl.core.sections import plain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEMPLATES = ("pretrain", "finetune", "multitask")
@@ -23,8 +24,8 @@ def test_template_validates(name):
     cfg = load_run_config(os.path.join(ROOT, "configs", f"{name}.yaml"))
     config = validate_run_config(cfg)
     # Validated, the section holds every value the file gives (mappings completed with defaults).
-    assert cfg["stability"] and _holds(config.stability_settings, cfg["stability"])
-    assert {k: config.moe_settings[k] for k in cfg["moe"]} == cfg["moe"]
+    assert cfg["stability"] and _holds(plain(config.stability_settings), cfg["stability"])
+    assert {k: getattr(config.moe_settings, k) for k in cfg["moe"]} == cfg["moe"]
 
 
 @pytest.mark.slow
@@ -46,7 +47,7 @@ def test_stable_recipe_validates_and_scales_with_training_lr():
     tied to training.lr (router 1/10, experts cosine towards 1/10)."""
     cfg = load_run_config(os.path.join(ROOT, "configs", "stable.yaml"))
     config = validate_run_config(cfg)
-    moe, stab, lr = config.moe_settings, config.stability_settings, cfg["training"]["lr"]
+    moe, stab, lr = plain(config.moe_settings), plain(config.stability_settings), cfg["training"]["lr"]
     assert (moe["balance"], moe["shared_expert"], moe["z_loss_coef"]) == ("adaptive", True, 0.0)
     assert stab["grad_clip"] == 1.0 and stab["skip_nonfinite"] and stab["winsorize_p"] == 0.01
     router, experts = stab["lr_schedules"]["router"], stab["lr_schedules"]["experts"]
