@@ -151,6 +151,7 @@ def _appo(**moe):
             .consistency(policy="hold", thresholds={"max_abs_logp_diff": 1e-4}))
 
 
+@pytest.mark.slow
 def test_a_bf16_rollout_copy_is_caught_as_mismatch_while_the_lag_is_recorded_apart(ray_local):
     algo = _appo(inference_dtype="bf16").build_algo()
     try:

@@ -162,6 +162,7 @@ def test_trainer_token_dropping_is_reported_as_mismatch(ray_local):
         algo.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", [False, True, "mismatched"])
 def test_second_expert_sampling_lowers_agreement_and_r3_restores_it(ray_local, replay):
     algo = config(trainer_second_expert_sampling=True, routing_replay=replay).build_algo()
@@ -295,6 +296,7 @@ def test_expert_dropout_is_not_mismatch(ray_local):
         algo.stop()
 
 
+@pytest.mark.slow
 def test_drift_study_measures_a_trained_checkpoint_at_a_longer_length(ray_local, tmp_path):
     """`drift-study --checkpoint`: the run's own policy (relative positions, trained at 8 tokens)
     goes into the learners and the rollout copy of a 24-token study, and is what they measure."""

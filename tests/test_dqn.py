@@ -64,6 +64,7 @@ def test_a_healthy_moe_dqn_run_checks_q_values_records_lag_and_takes_no_action(r
         algo.stop()
 
 
+@pytest.mark.slow
 def test_a_bf16_copy_is_mismatch_a_corrupt_copy_is_repaired_and_a_q_blow_up_is_a_bad_update(ray_local):
     algo = _dqn(thresholds={"q_gap_max_rel": 1e-4}).moe(inference_dtype="bf16").build_algo()
     try:

@@ -157,6 +157,7 @@ def test_ctrl_c_in_a_terminal_stops_cleanly_and_twice_stops_at_once(tmp_path):
     assert (again / "INCOMPLETE").read_text().startswith("stopped at once by a second Ctrl-C (SIGINT)")
 
 
+@pytest.mark.slow
 def test_kill_sends_sigterm_and_the_run_stops_as_on_ctrl_c(tmp_path):
     """ray.init() installs its own SIGTERM handler (the embedded node's: kill Ray, exit 1); the
     run's own must win."""
@@ -171,6 +172,7 @@ def test_kill_sends_sigterm_and_the_run_stops_as_on_ctrl_c(tmp_path):
     assert rows(run)[-1]["iteration"] == int(match[1]) and rows(run)[-1]["checkpoint/verified"] == 1
 
 
+@pytest.mark.slow
 def test_a_killed_raylet_gives_one_line_incomplete_and_a_nonzero_exit(tmp_path):
     run = tmp_path / "run"
     user = UserRun("train", "--output", str(run), "--iterations", "8", *TINY_RUN)
@@ -232,6 +234,7 @@ def test_ray_job_stop_is_a_sigterm_and_the_run_keeps_its_iteration(tmp_path):
 OURS = re.compile(r"^(moe-rl: |iter +\d+ |  alert: )")
 
 
+@pytest.mark.slow
 def test_a_healthy_quickstart_prints_only_moe_rls_own_lines(tmp_path):
     user = UserRun("train", "--iterations", "2", "--output", str(tmp_path / "run"))
     assert user.finish() == 0, user.err

@@ -149,6 +149,7 @@ OLD_QUICKSTART_TRAINING = {"lr": 3e-4, "gamma": 0.99, "lambda_": 0.95, "train_ba
                            "minibatch_size": 256, "num_epochs": 6}
 
 
+@pytest.mark.slow
 def test_routing_replay_learns_like_no_replay_and_keeps_the_router_balanced(ray_local):
     """R3 regression: counting the loads from the replayed experts froze the balance
     statistic for a whole update and drove one expert into every token's top-2; R3 then learned
@@ -214,6 +215,7 @@ def test_switching_the_modules_mode_reaches_every_submodule():
     assert not any(m.training for m in module.modules())
 
 
+@pytest.mark.slow
 def test_mismatched_replay_pins_only_flipped_tokens_and_costs_nothing_in_fp32(ray_local):
     """routing_replay "mismatched": in fp32 nothing differs at the rollout's weights, so training
     is the no-replay run to the last digit; a bf16 copy flips some tokens, and only those replay."""
