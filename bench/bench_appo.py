@@ -27,7 +27,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peer_curves  # noqa: E402
 
-ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results", "appo_fair")
 ARMS = ("stock_appo", "moe_appo", "dense_appo")
 METRIC = peer_curves.Metric(budget=200_000, grid=range(20_000, 200_001, 20_000), target=150.0,
@@ -39,13 +38,9 @@ def build(arm: str, seed: int):
     from ray.rllib.algorithms.appo import APPOConfig
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
-    from moe_rl.app.run_config import apply_overrides, load_run_config, validate_run_config
-
-    cfg = apply_overrides(load_run_config(os.path.join(ROOT, "configs", "appo_cartpole.yaml")), [f"seed={seed}"])
-    if arm == "moe_appo":
-        return validate_run_config(cfg)
-    if arm == "dense_appo":
-        return validate_run_config(apply_overrides(cfg, ["moe.mixture=dense", "moe.router=topk"]))
+    cfg = peer_curves.config_at_seed("appo_cartpole.yaml", seed)
+    if arm in ("moe_appo", "dense_appo"):
+        return peer_curves.through_our_loop(cfg, dense=arm == "dense_appo")
     return (APPOConfig().environment("CartPole-v1")
             .env_runners(**cfg["env_runners"]).learners(**cfg["learners"])
             .training(circular_buffer_iterations_per_batch=2, vf_loss_coeff=0.05, entropy_coeff=0.0, lambda_=0.95)

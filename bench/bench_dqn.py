@@ -34,7 +34,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peer_curves  # noqa: E402
 
-ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results", "dqn")
 ARMS = ("stock_dqn", "moe_dqn", "dense_dqn")
 METRIC = peer_curves.Metric(budget=100_000, grid=range(10_000, 100_001, 10_000), target=450.0,
@@ -45,13 +44,9 @@ def build(arm: str, seed: int):
     from ray.rllib.algorithms.dqn import DQNConfig
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
 
-    from moe_rl.app.run_config import apply_overrides, load_run_config, validate_run_config
-
-    cfg = apply_overrides(load_run_config(os.path.join(ROOT, "configs", "dqn_cartpole.yaml")), [f"seed={seed}"])
-    if arm == "moe_dqn":
-        return validate_run_config(cfg)
-    if arm == "dense_dqn":
-        return validate_run_config(apply_overrides(cfg, ["moe.mixture=dense", "moe.router=topk"]))
+    cfg = peer_curves.config_at_seed("dqn_cartpole.yaml", seed)
+    if arm in ("moe_dqn", "dense_dqn"):
+        return peer_curves.through_our_loop(cfg, dense=arm == "dense_dqn")
     return (DQNConfig().environment("CartPole-v1")
             .env_runners(**cfg["env_runners"]).learners(**cfg["learners"])
             .training(lr=0.0005, train_batch_size_per_learner=32,

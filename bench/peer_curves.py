@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from bench_minigrid import _write_json, missing_runs  # noqa: E402
 
@@ -29,6 +30,20 @@ class Metric:
     grid: Sequence[int]         # the return is read at each mark (the last point at or before it)
     target: float               # the return whose first crossing gives steps and seconds to target
     pairs: Sequence[Tuple[str, str]]   # (a, b): a - b on the grid mean, paired over seeds
+
+
+def config_at_seed(config_file: str, seed: int) -> dict:
+    """A config of configs/ as a run would read it, at `seed`: what the MoE arm and the dense arm
+    start from, and where the stock arm takes its rollout actors and learners."""
+    from moe_rl.app.run_config import apply_overrides, load_run_config
+    return apply_overrides(load_run_config(os.path.join(ROOT, "configs", config_file)), [f"seed={seed}"])
+
+
+def through_our_loop(cfg: dict, dense: bool):
+    """The MoE arm (the config as it is) or the dense arm: the same loop and config with each MoE
+    layer a dense one of the same active width, which separates the mixture's effect from the loop's."""
+    from moe_rl.app.run_config import apply_overrides, validate_run_config
+    return validate_run_config(apply_overrides(cfg, ["moe.mixture=dense", "moe.router=topk"]) if dense else cfg)
 
 
 def run_one(build: Callable, arm: str, seed: int, out: str, budget: int) -> None:
