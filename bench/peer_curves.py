@@ -20,8 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from bench_minigrid import _write_json, missing_runs  # noqa: E402
-
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+from bench_minigrid_report import mean_ci  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -90,13 +89,6 @@ def figures(run: dict, metric: Metric) -> dict:
             "check_share": (sum(c["check_s"] for c in run["curve"]) / last["time_s"]
                             if all("check_s" in c for c in run["curve"]) else math.nan),   # not recorded
             "final": curve[-1]["return"] if curve else math.nan}
-
-
-def mean_ci(values):
-    """Mean and the 95 % t half-width."""
-    m = statistics.fmean(values)
-    return m, (T95.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
-               if len(values) > 1 else math.nan)
 
 
 def report(results: str, arms: Sequence[str], metric: Metric) -> str:
