@@ -16,7 +16,7 @@ runner x 1 env, the learner in the driver):
   dense_dqn   the same MoE-DQN loop and config with each MoE layer a dense one of the same active
               width (moe.mixture dense, router topk): what the loop does without the mixture
 The metric, fixed before the runs: the mean training return over the 5 k..50 k env-step grid
-(the curve's value at each 10 k mark, the last point at or before it), and the env steps and wall
+(the curve's value at each 5 k mark, the last point at or before it), and the env steps and wall
 seconds at which the return (RLlib's running mean over the last 100 episodes) first reached 450;
 env steps/s over the whole run (training included); env steps trained per step sampled; the check's
 share of wall time. Three seeds, not five: issue 60's budget; the section says so. The budget was
