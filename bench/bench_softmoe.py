@@ -12,6 +12,11 @@ only the penultimate layer differs (its parameters, beside the arm's name).
               control (tokenizing without experts)
   soft4       Soft MoE over the 49 tokens, 4 experts of width 64, one slot each
   soft8       Soft MoE over the 49 tokens, 8 experts of width 64, one slot each
+Outside the registration (run only when named in --arms; BENCHMARKS.md says why): the Soft MoE as
+Obando-Ceron et al.'s code (google/dopamine labs/moes) sets it up, where the registered arms differ:
+raw slot logits (no l2 normalisation), ceil(49 / experts) slots an expert, and the tokens flattened
+(concatenated) into the Q head instead of mean-pooled.
+  soft4_ref   soft4 so: 13 slots an expert      soft8_ref   soft8 so: 7 slots an expert
 Per run, per iteration: env steps, the mean training return of the episodes that ended, the
 dormant fraction (ReLU units), wall seconds. One JSON per (game, arm, seed); a run cut off keeps its
 curve in .partial and starts again from the beginning (resume a run directory with moe-rl instead).
@@ -40,6 +45,10 @@ ARMS = {
     "soft4": ["moe.num_experts=4"],
     "soft8": ["moe.num_experts=8"],
 }
+REGISTERED = tuple(ARMS)
+REFERENCE = ["moe.soft_normalize=false", "moe.token_pool=flatten"]
+ARMS.update({"soft4_ref": ["moe.num_experts=4", "moe.slots_per_expert=13", *REFERENCE],
+             "soft8_ref": ["moe.num_experts=8", "moe.slots_per_expert=7", *REFERENCE]})
 BUDGET = 150_000          # env steps a run (BENCHMARKS.md: why this many)
 FINAL_SHARE = 0.2         # the final return: the last 20 % of the budget's iterations
 T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31}
@@ -164,7 +173,7 @@ def report(results: str) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--games", default=",".join(GAMES))
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--arms", default=",".join(REGISTERED), help=f"of {tuple(ARMS)}")
     p.add_argument("--seeds", default="0-2")
     p.add_argument("--budget", type=int, default=BUDGET)
     p.add_argument("--results", default=RESULTS)

@@ -67,6 +67,31 @@ def test_an_image_becomes_one_token_per_position_pooled_after_the_blocks():
         ObservationEncoder(gym.spaces.Box(-1, 1, (4,)), "auto", tokens=True)
 
 
+def test_token_pool_flatten_keeps_every_position_and_soft_normalize_false_gives_raw_logits():
+    """Obando-Ceron et al.'s code: the tokens concatenated after the mixture, raw slot logits X Phi."""
+    torch.manual_seed(0)
+    space = gym.spaces.Box(0, 1, (10, 10, 4), bool)
+    obs = torch.rand(3, 10, 10, 4) > 0.5
+    reference = dict(soft_normalize=False, slots_per_expert=13, num_layers=1)
+    trunk = MoEMLPTrunk(ObservationEncoder(space, "auto", tokens=True), soft(token_pool="flatten", **reference))
+    features, records = trunk(obs)
+    assert trunk.out_dim == 49 * 16 and features.shape == (3, 49 * 16)
+    layer = trunk.blocks[0].moe
+    assert not layer.normalize and layer.scale is None and records[0].logits.shape == (3, 49, 4 * 13)
+    mean_trunk = MoEMLPTrunk(ObservationEncoder(space, "auto", tokens=True), soft(**reference))
+    mean_trunk.load_state_dict(trunk.state_dict())   # the same parameters: only the pooling differs
+    assert mean_trunk.out_dim == 16
+    assert torch.allclose(features.view(3, 49, 16).mean(1), mean_trunk(obs)[0], atol=1e-6)
+    # one token: flatten is the mean (nothing to pool)
+    flat = MoEMLPTrunk(4, soft(token_pool="flatten"))
+    assert flat.out_dim == 16 and flat(torch.randn(2, 4))[0].shape == (2, 16)
+    for key, value, allowed in (("token_pool", "max", "one of"), ("soft_normalize", "no", "true or false")):
+        with pytest.raises(ConfigError, match=f"^moe.{key}: must be {allowed}"):
+            soft(**{key: value})
+    with pytest.raises(ConfigError, match="^moe.soft_normalize: .*mixture sparse"):
+        validate_moe({**MOE_DEFAULTS, "soft_normalize": False})
+
+
 def test_what_a_soft_mixture_cannot_take_is_refused_by_name():
     for key, value in (("router", "reinforce"), ("routing_replay", True), ("capacity_factor", 1.0),
                        ("expert_dropout", 0.1), ("ep_size", 2), ("shared_expert", True)):

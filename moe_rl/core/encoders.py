@@ -10,7 +10,7 @@ An encoder turns one batch of observations into (features [B, F], task_ids [B] o
 
 With tokens (moe.tokens, resolved by `uses_position_tokens`), the conv encoder keeps its feature map
 as one token per position ([B, positions, 64]: 16 for a 7x7 grid, 49 for MinAtar's 10x10) instead of
-one flat vector: a Soft MoE mixes them, and the trunk mean-pools after the blocks. Sokar et al.
+one flat vector: a Soft MoE mixes them, and the trunk pools them after the blocks (moe.token_pool). Sokar et al.
 (ICLR 2025) found much of Soft MoE's gain in deep RL comes from this tokenizing.
 
 A Dict observation {"image": (H, W, C), "task": one-hot [T]} (moe_rl/MiniGrid-MT*) encodes the image

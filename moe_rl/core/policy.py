@@ -31,7 +31,8 @@ def moe_layer_from_settings(s: MoESettings) -> nn.Module:
     feed-forward layer of the sparse layer's active width. normalize_gates: a resolved bool (an
     RLModule resolves "auto"; unresolved it means true)."""
     if s.mixture == "soft":
-        return SoftMoELayer(s.d_model, s.num_experts, s.slots_per_expert, s.d_ff, activation=s.activation)
+        return SoftMoELayer(s.d_model, s.num_experts, s.slots_per_expert, s.d_ff, activation=s.activation,
+                            normalize=s.soft_normalize)
     if s.mixture == "dense":
         return DenseFFN(s.d_model, s.d_ff, s.top_k, s.activation)
     return MoELayer(s.d_model, s.num_experts, s.top_k, s.d_ff, router=s.router,
@@ -86,9 +87,9 @@ def _replay_for(replay: Optional[torch.Tensor], i: int) -> Optional[torch.Tensor
 class MoEMLPTrunk(nn.Module):
     """obs -> encoder (moe_rl.core.encoders: flat vector, or a CNN for images; one token, or one
     per position of the CNN's feature map) -> tanh(Linear) per token -> L residual MoE blocks ->
-    (tokens: mean over them) -> features [B, d]. The encoder also reads the task id (task_slice)
-    that the task-conditioned router routes on. An int stands for a flat vector of that length.
-    Records: one per MoE layer (none for mixture dense)."""
+    (tokens, by moe.token_pool: their mean, or their concatenation) -> features [B, out_dim]. The
+    encoder also reads the task id (task_slice) that the task-conditioned router routes on. An int
+    stands for a flat vector of that length. Records: one per MoE layer (none for mixture dense)."""
 
     def __init__(self, encoder: Union[int, ObservationEncoder], s: MoESettings,
                  task_slice: Optional[Sequence[int]] = None):
@@ -99,6 +100,8 @@ class MoEMLPTrunk(nn.Module):
         self.embed = nn.Linear(encoder.out_dim, s.d_model)
         self.blocks = nn.ModuleList(MoEBlock(s) for _ in range(s.num_layers))
         self.checkpointing = s.activation_checkpointing
+        self.flatten_tokens = s.token_pool == "flatten"
+        self.out_dim = s.d_model * (encoder.num_tokens if self.flatten_tokens and encoder.tokens else 1)
 
     def forward(self, obs, replay: Optional[torch.Tensor] = None, explore: bool = False):
         features, task_ids = self.encoder(obs)
@@ -108,7 +111,9 @@ class MoEMLPTrunk(nn.Module):
             h, rec = maybe_checkpoint(self.checkpointing, block, h, _replay_for(replay, i), task_ids, explore)
             if rec is not None:
                 records.append(rec)
-        return (h.mean(1) if h.dim() == 3 else h), records
+        if h.dim() == 3:
+            h = h.flatten(1) if self.flatten_tokens else h.mean(1)
+        return h, records
 
 
 class CausalSelfAttention(nn.Module):
@@ -146,6 +151,7 @@ class MoETransformerTrunk(nn.Module):
     def __init__(self, vocab_size: int, s: MoESettings):
         super().__init__()
         d, self.max_len = s.d_model, s.max_seq_len
+        self.out_dim = d
         relative = s.positions == "relative"
         self.tok = nn.Embedding(vocab_size + 2, d)        # 0 pad, 1 BOS, 2.. tokens
         self.pos = None if relative else nn.Embedding(self.max_len + 1, d)

@@ -80,11 +80,21 @@ class MoESettings(Section):
         "active width (top_k x d_ff), the peer of equal active parameters in the same loop.")
     router: str = setting('topk', "mixture sparse: topk | sinkhorn | bias | task | reinforce.")
     slots_per_expert: int = setting(1, "mixture soft: slots each expert processes per observation (p).")
+    soft_normalize: bool = setting(
+        True,
+        "mixture soft: the paper's l2 normalisation of tokens and slot parameters, times a learned scale "
+        "(Puigcerver et al. 2023, section 2.3); false: raw logits X Phi, as google/dopamine's labs/moes "
+        "(Obando-Ceron et al.'s code) runs it.")
     tokens: str = setting(
         'auto',
         "auto | one | positions: the tokens the MoE blocks see. positions: an image's conv feature map, "
-        "one token per position, mean-pooled after the blocks; one: the observation's features as one "
+        "one token per position, pooled after the blocks (token_pool); one: the observation's features as one "
         "token. auto: positions for an image observation under mixture soft, else one.")
+    token_pool: str = setting(
+        'mean',
+        "mean | flatten: how the trunk makes one feature vector of the tokens after the blocks. mean: "
+        "their average (d_model wide); flatten: their concatenation (positions x d_model wide, what "
+        "Obando-Ceron et al.'s code feeds its Q head). The same with one token.")
     num_layers: int = setting(2, "MoE blocks in the policy trunk.")
     d_model: int = setting(64, "trunk width.")
     d_ff: int = setting(64, "expert hidden width.")

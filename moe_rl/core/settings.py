@@ -130,6 +130,7 @@ def _checked_moe(s: Mapping[str, Any]) -> MoESettings:
 
 MIXTURES = ("sparse", "soft", "dense")
 TOKENS = ("auto", "one", "positions")
+TOKEN_POOLS = ("mean", "flatten")
 
 
 def _check_mixture(s: Mapping[str, Any]) -> None:
@@ -143,6 +144,10 @@ def _check_mixture(s: Mapping[str, Any]) -> None:
     _need(s["tokens"] != "positions" or mixture != "sparse", "moe.tokens",
           "one or auto with mixture sparse (a sparse layer records one top-k per observation; tokens per "
           "position need mixture soft or dense)", s["tokens"])
+    _need(s["token_pool"] in TOKEN_POOLS, "moe.token_pool", f"one of {TOKEN_POOLS}", s["token_pool"])
+    _need(isinstance(s["soft_normalize"], bool), "moe.soft_normalize", "true or false", s["soft_normalize"])
+    _need(s["soft_normalize"] or mixture == "soft", "moe.soft_normalize",
+          f"true (the default) under mixture {mixture}: it sets a Soft MoE's slot logits", s["soft_normalize"])
     if mixture == "sparse":
         return
     why = f"(mixture {mixture} routes no token to a top-k)"

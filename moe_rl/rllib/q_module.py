@@ -49,8 +49,8 @@ class MoEQModule(MoEModule, InferenceOnlyAPI, TargetNetworkAPI, QNetAPI):
                                           framework="torch")
         self.trunk = self.mlp_trunk(s)
         actions = int(self.action_space.n)
-        self.af = mlp([s.d_model, *s.q_hiddens], actions, activation="relu")
-        self.vf = mlp([s.d_model, *s.q_hiddens], 1, activation="relu") if self.uses_dueling else None
+        self.af = mlp([self.trunk.out_dim, *s.q_hiddens], actions, activation="relu")
+        self.vf = mlp([self.trunk.out_dim, *s.q_hiddens], 1, activation="relu") if self.uses_dueling else None
         self.set_inference_dtype(*(m for m in (self.trunk, self.af, self.vf) if m is not None))
 
     # --- QNetAPI / TargetNetworkAPI ---------------------------------------------------------------

@@ -174,11 +174,11 @@ class MoEPolicyModule(MoEModule, ValueFunctionAPI, InferenceOnlyAPI):
                 self.vf_encoder = ObservationEncoder(obs_space, "conv")
                 vf_in = self.vf_encoder.out_dim
         if isinstance(self.action_space, gym.spaces.Discrete):
-            self.pi = policy_head(s.policy_head, s.d_model, int(self.action_space.n))
+            self.pi = policy_head(s.policy_head, self.trunk.out_dim, int(self.action_space.n))
             self.log_std = None
         else:
             act_dim = int(np.prod(self.action_space.shape))
-            self.pi = policy_head(s.policy_head, s.d_model, act_dim)
+            self.pi = policy_head(s.policy_head, self.trunk.out_dim, act_dim)
             self.log_std = nn.Parameter(torch.zeros(act_dim))
         if not self.inference_only:
             self.vf = mlp([vf_in, *s.vf_hiddens], 1)
