@@ -133,13 +133,26 @@ def contrast_ci(plus, minus):
     return est, est - half, est + half, df
 
 
+# (name, arms added, arms subtracted): S1's contrasts, then the reference arms' (BENCHMARKS.md)
+CONTRASTS = (("soft8 - soft4", ["soft8"], ["soft4"]),
+             ("dense_wide - dense", ["dense_wide"], ["dense"]),
+             ("(soft8 - soft4) - (dense_wide - dense)", ["soft8", "dense"], ["soft4", "dense_wide"]),
+             ("soft8 - single", ["soft8"], ["single"]),
+             ("soft8_ref - soft4_ref", ["soft8_ref"], ["soft4_ref"]),
+             ("(soft8_ref - soft4_ref) - (dense_wide - dense)", ["soft8_ref", "dense"], ["soft4_ref", "dense_wide"]),
+             ("soft8_ref - soft8", ["soft8_ref"], ["soft8"]),
+             ("soft8_ref - dense", ["soft8_ref"], ["dense"]))
+
+
 def load(results: str) -> dict:
+    """results: a folder of run JSONs, or several, comma-separated (S1's and the reference arms')."""
     runs: dict = {}
-    for name in sorted(os.listdir(results)) if os.path.isdir(results) else []:
-        if name.endswith(".json"):
-            with open(os.path.join(results, name)) as f:
-                r = json.load(f)
-            runs.setdefault(r["game"], {}).setdefault(r["arm"], []).append(r)
+    for folder in results.split(","):
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            if name.endswith(".json"):
+                with open(os.path.join(folder, name)) as f:
+                    r = json.load(f)
+                runs.setdefault(r["game"], {}).setdefault(r["arm"], []).append(r)
     return runs
 
 
@@ -158,15 +171,10 @@ def report(results: str) -> str:
             dormant, _ = mean_ci([final_dormant(r) for r in arms[arm]])
             lines.append(f"| {arm} | {arms[arm][0]['parameters']} | {len(arms[arm])} | {m:.2f} ± {h:.2f} | "
                          + ", ".join(f"{v:.2f}" for v in finals[arm]) + f" | {dormant:.3f} |")
-        if all(a in finals and len(finals[a]) > 1 for a in ("soft8", "soft4", "dense_wide", "dense")):
-            for name, plus, minus in (("soft8 - soft4", ["soft8"], ["soft4"]),
-                                      ("dense_wide - dense", ["dense_wide"], ["dense"]),
-                                      ("(soft8 - soft4) - (dense_wide - dense)", ["soft8", "dense"],
-                                       ["soft4", "dense_wide"]),
-                                      ("soft8 - single", ["soft8"], ["single"])):
-                if all(a in finals for a in plus + minus):
-                    est, lo, hi, df = contrast_ci([finals[a] for a in plus], [finals[a] for a in minus])
-                    lines.append(f"\n{name}: {est:+.3f} (Welch 95 % CI [{lo:+.3f}, {hi:+.3f}], {df:.1f} df)")
+        for name, plus, minus in CONTRASTS:
+            if all(a in finals and len(finals[a]) > 1 for a in plus + minus):
+                est, lo, hi, df = contrast_ci([finals[a] for a in plus], [finals[a] for a in minus])
+                lines.append(f"\n{name}: {est:+.3f} (Welch 95 % CI [{lo:+.3f}, {hi:+.3f}], {df:.1f} df)")
     return "\n".join(lines)
 
 
