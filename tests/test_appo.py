@@ -165,8 +165,9 @@ def test_a_bf16_rollout_copy_is_caught_as_mismatch_while_the_lag_is_recorded_apa
         algo.stop()
 
 
-def test_a_corrupted_rollout_copy_is_repaired_at_the_next_check(ray_local):
-    algo = _appo().build_algo()
+@pytest.mark.parametrize("mixture", ["sparse", "soft"])
+def test_a_corrupted_rollout_copy_is_repaired_at_the_next_check(ray_local, mixture):
+    algo = _appo(mixture=mixture).build_algo()
     try:
         algo.train()
         faults.inject(algo, faults.CorruptRolloutCopy(runner=1))
