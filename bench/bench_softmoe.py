@@ -16,7 +16,8 @@ Outside the registration (run only when named in --arms; BENCHMARKS.md says why)
 Obando-Ceron et al.'s code (google/dopamine labs/moes) sets it up, where the registered arms differ:
 raw slot logits (no l2 normalisation), ceil(49 / experts) slots an expert, and the tokens flattened
 (concatenated) into the Q head instead of mean-pooled.
-  soft4_ref   soft4 so: 13 slots an expert      soft8_ref   soft8 so: 7 slots an expert
+  soft4_ref   soft4 with those three: 13 slots an expert
+  soft8_ref   soft8 with those three: 7 slots an expert
 Per run, per iteration: env steps, the mean training return of the episodes that ended, the
 dormant fraction (ReLU units), wall seconds. One JSON per (game, arm, seed); a run cut off keeps its
 curve in .partial and starts again from the beginning (resume a run directory with moe-rl instead).
