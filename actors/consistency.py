@@ -75,12 +75,14 @@ class ConsistencyActor:
 
     def figures(self, *, stats: Dict[str, Any], old_probe: Dict[str, Dict[str, Any]],
                 candidate_probe: Dict[str, Dict[str, Any]], skipped: Optional[Dict[str, Dict[str, int]]] = None,
-                iteration: int, version: int, sync_id: int, lag: int) -> Dict[str, Any]:
+                iteration: int, version: int, sync_id: int, lag: int,
+                q_reference: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
         """The check's second half, after the update, on what `observe` saw before it: the
         candidate's update size per parameter group and finiteness (stats: the learners'
         weight_stats against the last synced weights), its view of the probe set against the last
-        good weights' (old_probe), and the steps the rollout correction emptied (skipped: the
-        learners' SkippedSteps.last). -> {"rows": one per module, "seconds"}."""
+        good weights' (old_probe; q_reference: a Q-policy's recent Q scale on it, per module), and
+        the steps the rollout correction emptied (skipped: the learners' SkippedSteps.last).
+        -> {"rows": one per module, "seconds"}."""
         seen, self._observed = self._observed, None
         if seen is None:
             raise RuntimeError("ConsistencyActor.figures: no observe() before this update")
@@ -92,7 +94,7 @@ class ConsistencyActor:
             for group, (sq_diff, sq_ref) in sorted(stats["terms"].get(mid, {}).items()):
                 row[f"update_size/{group}"] = math.sqrt(sq_diff) / max(math.sqrt(sq_ref), 1e-12)
             row.update(probe_figures(self.kinds.get(mid, PolicyKind()), old_probe.get(mid), candidate_probe.get(mid),
-                                     self.s.flip_margin))
+                                     self.s.flip_margin, (q_reference or {}).get(mid, 0.0)))
             sk = (skipped or {}).get(mid)
             if sk and sk.get("steps"):
                 row["correction_skipped_steps"] = int(sk["skipped"])

@@ -406,6 +406,21 @@ def test_k3_by_expert_shows_the_drifting_expert():
     assert got[1] == pytest.approx((2 - 1 - math.log(2)) / 2)
 
 
+@pytest.mark.pure
+def test_q_change_is_measured_over_the_runs_recent_q_scale():
+    """Early in a DQN run the Q-values pass near zero: over the old scale alone an ordinary step of
+    0.02 reads 2.0 (a bad update by a history near 0.5); over the run's recent scale (0.07) it
+    reads 0.3, and a blow-up still reads orders of magnitude."""
+    from moe_rl.core.drift_kinds import q_change
+    old = np.array([[0.01, -0.01, 0.01], [-0.01, 0.01, -0.01]])
+    step = old + np.array([[0.02, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert q_change(old, step)["q_change"] == pytest.approx(2.0)
+    assert q_change(old, step, reference=0.07)["q_change"] == pytest.approx(0.02 / 0.07)
+    assert q_change(old, old * 1e4, reference=0.07)["q_change"] > 100
+    grown = old * 100                                                    # mean |Q| 1.0, above the reference
+    assert q_change(grown, grown + 0.02, reference=0.07)["q_change"] == pytest.approx(0.02)
+
+
 # --- the edges: each test failed before its fix ----------------------------------------------------
 
 def _actor(**kw):

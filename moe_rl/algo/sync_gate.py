@@ -28,14 +28,18 @@ withdrawn (the synced version sent back, with its number) unless the verdict syn
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional
+import statistics
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 import numpy as np
 import ray
+import torch
 import tree
 
 from moe_rl.actors.consistency import start_consistency_actor
 from moe_rl.algo.synced_weights import GateStop, SyncedWeights
+from moe_rl.core.drift_kinds import q_scale
 from moe_rl.core.gate import GateState, Verdict, mismatch_limits
 from moe_rl.core.sections import ConsistencySettings, WeightSyncSettings
 from moe_rl.rllib.rollout_sample import rollout_sample
@@ -78,6 +82,7 @@ class SyncGate:
         self.probe: Optional[Dict[str, Any]] = None        # fixed probe observations, per module
         self.probe_view: Dict[str, Dict[str, Any]] = {}    # the synced (last good) weights' view of them
         self.probe_version = -1                            # the version probe_view is of
+        self.q_scales: Dict[str, Deque[float]] = {}        # a Q-policy's recent probe_view scales (q_change)
         self._lag_before: Optional[int] = None             # set by before_update: a check is in progress
         self._observed: Optional[ray.ObjectRef] = None     # the actor's first half of the check
         self._copies = None
@@ -147,8 +152,8 @@ class SyncGate:
             # measured against. Taken here, where the learners hold it, when syncs went by unchecked
             # (consistency.every > 1): the last accepted candidate's view would be several updates
             # old, and a candidate judged as one update would carry all of them.
-            self.probe_view = group.trainer_view({mid: {"obs": o} for mid, o in self.probe.items()}, replay=False)
-            self.probe_version = self.version
+            self._set_probe_view(group.trainer_view({mid: {"obs": o} for mid, o in self.probe.items()},
+                                                    replay=False), self.version)
         asked = {mid: {"obs": d["obs"], "actions": d["actions"], "routing": d.get("routing")}
                  for mid, d in data.items()}
         view = group.trainer_view(asked) if asked else {}   # each module replays as it trains
@@ -195,7 +200,8 @@ class SyncGate:
             self._observed = None
             found = ray.get(self.actor.figures.remote(
                 stats=stats, old_probe=self.probe_view, candidate_probe=candidate, skipped=skipped,
-                iteration=iteration + 1, version=self.version, sync_id=self.sync_id, lag=lag_before))
+                iteration=iteration + 1, version=self.version, sync_id=self.sync_id, lag=lag_before,
+                q_reference={mid: statistics.median(v) for mid, v in self.q_scales.items() if v}))
         except BaseException:   # no verdict: nothing unjudged may stay with the rollout actors
             self._withdraw_candidate()
             raise
@@ -203,7 +209,7 @@ class SyncGate:
         if verdict.decision not in ("sync", "warn"):
             self._withdraw_candidate()
         else:   # the candidate becomes the synced version next
-            self.probe_view, self.probe_version = candidate, self.version + 1
+            self._set_probe_view(candidate, self.version + 1)
             self.sync_id += 1
         causes = [c for c in verdict.causes if c != "corrupt_copy"]   # repairs were logged when made
         if causes:   # one line; every breach and per-tensor line is in the ledger (drift.parquet)
@@ -233,6 +239,15 @@ class SyncGate:
         verdict.figures["repairs"] = self.repairs
         return verdict
 
+    def _set_probe_view(self, view: Dict[str, Dict[str, Any]], version: int) -> None:
+        """The synced version's view of the probe set; a Q-policy's Q scale on it joins the recent
+        ones, the floor its q_change is measured over (moe_rl.core.drift_kinds.q_change)."""
+        self.probe_view, self.probe_version = view, version
+        for mid, v in view.items():
+            if "q" in v:
+                self.q_scales.setdefault(mid, deque(maxlen=self.s.relative_window)).append(
+                    q_scale(torch.as_tensor(np.asarray(v["q"]))))
+
     def _withdraw_candidate(self) -> None:
         candidate, self._candidate = self._candidate, None
         if candidate is not None:
@@ -244,7 +259,8 @@ class SyncGate:
         if not self.checks:
             return {}
         return {"gate": self.state.get_state(), "sync_id": self.sync_id, "repairs": self.repairs, "steps": self.steps,
-                "probe_obs": self.probe, "probe_view": self.probe_view, "probe_version": self.probe_version}
+                "probe_obs": self.probe, "probe_view": self.probe_view, "probe_version": self.probe_version,
+                "q_scales": {mid: list(v) for mid, v in self.q_scales.items()}}
 
     def set_state(self, state: Dict[str, Any]) -> None:
         if not self.checks:
@@ -257,6 +273,7 @@ class SyncGate:
         if kept.get("probe_obs") is not None:
             self.probe, self.probe_view = kept["probe_obs"], kept["probe_view"]
             self.probe_version = int(state.get("probe_version", -1))   # restored weights: a new version
+        self.q_scales = {mid: deque(v, maxlen=self.s.relative_window) for mid, v in state.get("q_scales", {}).items()}
 
     def close(self) -> None:
         self.weights.close()

@@ -72,12 +72,15 @@ def q_figures(trainer_q, rollout_q) -> Dict[str, float]:
             "q_scale": scale}
 
 
-def q_change(old_q, new_q) -> Dict[str, float]:
-    """How far an update moved the Q-values on the probe set: q_change (max |dQ| over the old Q
-    scale: a Q blow-up is orders of magnitude) and greedy_flip_rate (share of probe states whose
-    greedy action changed)."""
+def q_change(old_q, new_q, reference: float = 0.0) -> Dict[str, float]:
+    """How far an update moved the Q-values on the probe set: q_change (max |dQ| over the larger of
+    the old Q scale and `reference`, the run's recent Q scale: a Q blow-up is orders of magnitude)
+    and greedy_flip_rate (share of probe states whose greedy action changed). Why the reference:
+    early in a DQN run the Q-values pass near zero (mean |Q| 0.01-0.16 from one update to the next,
+    before rewards arrive), and over the old scale alone an ordinary step read 2-17, a bad update
+    by the run's own history."""
     o, n = torch.as_tensor(np.asarray(old_q)).double(), torch.as_tensor(np.asarray(new_q)).double()
-    return {"q_change": float((n - o).abs().max()) / q_scale(o),
+    return {"q_change": float((n - o).abs().max()) / max(q_scale(o), reference),
             "greedy_flip_rate": float((o.argmax(-1) != n.argmax(-1)).double().mean())}
 
 
@@ -180,13 +183,14 @@ def lag_figures(kind: PolicyKind, rollout: Mapping[str, Any], trainer: Mapping[s
 
 
 def probe_figures(kind: PolicyKind, old: Optional[Mapping[str, Any]], new: Optional[Mapping[str, Any]],
-                  margin: float) -> Dict[str, float]:
+                  margin: float, q_reference: float = 0.0) -> Dict[str, float]:
     """The candidate against the last good weights on the probe set: how far the policy moved
-    (k3_old_new, the exact KL; or q_change) and the routing flips (probe_flip_rate)."""
+    (k3_old_new, the exact KL; or q_change, over at least `q_reference`) and the routing flips
+    (probe_flip_rate)."""
     if old is None or new is None:
         return {}
     if kind.policy == "q":
-        out = q_change(old["q"], new["q"])
+        out = q_change(old["q"], new["q"], q_reference)
     else:
         out = {"k3_old_new": policy_kl(torch.as_tensor(np.asarray(old["logits"])),
                                        torch.as_tensor(np.asarray(new["logits"])), kind.discrete)}
