@@ -52,6 +52,7 @@ ARMS.update({"soft4_ref": ["moe.num_experts=4", "moe.slots_per_expert=13", *REFE
              "soft8_ref": ["moe.num_experts=8", "moe.slots_per_expert=7", *REFERENCE]})
 BUDGET = 150_000          # env steps a run (BENCHMARKS.md: why this many)
 FINAL_SHARE = 0.2         # the final return: the last 20 % of the budget's iterations
+PLOT_BIN = 5_000          # env steps a point of the plotted curves
 T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31}
 
 
@@ -157,6 +158,41 @@ def load(results: str) -> dict:
     return runs
 
 
+def binned_curve(runs: list, key: str) -> list:
+    """An arm's curve for the plots: per PLOT_BIN env steps, each run's value (the return weighted
+    by the episodes that ended) averaged over the runs; a bin some run lacks is left out."""
+    per_bin: dict = {}
+    for r in runs:
+        bins: dict = {}
+        for c in r["curve"]:
+            weight = c["episodes"] if key == "return" else 1
+            if weight and c[key] == c[key]:
+                total = bins.setdefault(c["env_steps"] // PLOT_BIN, [0.0, 0])
+                total[0] += c[key] * weight
+                total[1] += weight
+        for b, (value, weight) in bins.items():
+            per_bin.setdefault(b, []).append(value / weight)
+    return [((b + 1) * PLOT_BIN, statistics.fmean(v)) for b, v in sorted(per_bin.items()) if len(v) == len(runs)]
+
+
+def plot(results: str, game: str, arms: dict) -> list:
+    """Two figures a game under bench/figures (return and dormant fraction against env steps, each
+    arm averaged over its seeds); -> their paths."""
+    from moe_rl.app.plots import xy_plot_svg
+    name = "+".join(os.path.basename(os.path.normpath(f)) for f in results.split(","))
+    paths = []
+    for key, label in (("return", "training return"), ("dormant", "dormant fraction (tau 0.025)")):
+        series = {f"{arm} ({len(arms[arm])} seed{'s' if len(arms[arm]) > 1 else ''})": binned_curve(arms[arm], key)
+                  for arm in ARMS if arm in arms}
+        path = os.path.join(HERE, "figures", f"{name}_{game}_{key}.svg")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(xy_plot_svg(series, f"MinAtar {game}, MoE-DQN: {label}, mean over seeds per {PLOT_BIN} steps",
+                                "env steps", key, width=720, height=360))
+        paths.append(os.path.relpath(path, ROOT))
+    return paths
+
+
 def report(results: str) -> str:
     runs = load(results)
     lines = []
@@ -176,6 +212,7 @@ def report(results: str) -> str:
             if all(a in finals and len(finals[a]) > 1 for a in plus + minus):
                 est, lo, hi, df = contrast_ci([finals[a] for a in plus], [finals[a] for a in minus])
                 lines.append(f"\n{name}: {est:+.3f} (Welch 95 % CI [{lo:+.3f}, {hi:+.3f}], {df:.1f} df)")
+        lines.append("\nCurves: " + ", ".join(plot(results, game, arms)))
     return "\n".join(lines)
 
 
