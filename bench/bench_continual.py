@@ -30,14 +30,16 @@ from bench_minigrid import _write_json, build_config, missing_runs  # noqa: E402
 ARMS = ("dense", "moe_task", "moe_topk", "dense_relu", "soft_relu")
 # The second registration's arms: MoE-PPO's own loop for both, ReLU units, equal mixture parameters
 # (a dense layer of width 4 x 64 against 4 experts of width 64), the Soft MoE over the CNN's 16
-# position tokens (moe.tokens auto), the dense layer over the flattened feature map.
+# position tokens (moe.tokens auto) mean-pooled after it (moe.token_pool's default when this was
+# registered; now flatten), the dense layer over the flattened feature map.
 ARM_OVERRIDES = {
     "dense_relu": ["moe.mixture=dense", "moe.router=topk", "moe.router_kwargs={}", "moe.task_slice=null",
                    "moe.top_k=4", "moe.activation=relu"],
     "soft_relu": ["moe.mixture=soft", "moe.router=topk", "moe.router_kwargs={}", "moe.task_slice=null",
-                  "moe.num_experts=4", "moe.top_k=1", "moe.activation=relu"],
+                  "moe.num_experts=4", "moe.top_k=1", "moe.activation=relu", "moe.token_pool=mean"],
 }
-COMPARED = {"dense": ("moe_task", "moe_topk"), "dense_relu": ("soft_relu",)}   # baseline -> its challengers
+# baseline -> its challengers
+COMPARED = {"dense": ("moe_task", "moe_topk"), "dense_relu": ("soft_relu",)}
 SUITE, TASKS = "MT5", ("DoorKey-6x6", "LavaGapS7", "RedBlueDoors-6x6", "DistShift1", "MemoryS11")
 RESULTS = os.path.join(HERE, "results", "continual")
 EVAL_EPISODES, PROBE_PER_TASK, TAU = 8, 200, 0.025

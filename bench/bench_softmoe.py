@@ -3,6 +3,7 @@ rise with its experts in DQN?" (the hypothesis and the analysis are fixed there)
 
     .venv/bin/python bench/bench_softmoe.py --games breakout,space_invaders --seeds 0-2   # resumable
     .venv/bin/python bench/bench_softmoe.py --report                                      # tables and plots
+    .venv/bin/python bench/bench_softmoe.py --at-init --arms dense,soft8,soft8_ref        # each arm untrained
 
 Every arm is configs/dqn_minatar.yaml with the overrides below: the same encoder, DQN and budget;
 only the penultimate layer differs (its parameters, beside the arm's name).
@@ -216,6 +217,58 @@ def report(results: str) -> str:
     return "\n".join(lines)
 
 
+def at_init(game: str, arms: list, steps: int = 2048) -> str:
+    """Each arm's Q-network as built (seed 0, no update) on observations of random play: the dormant
+    fraction, how evenly a slot mixes the tokens (dispatch entropy over its maximum), and how far
+    the Q-values move when the encoder's positions are shuffled (0 up to rounding: the network
+    cannot tell where a feature is)."""
+    import gymnasium as gym
+    import numpy as np
+    import torch
+    from ray.rllib.core.columns import Columns
+
+    import envs  # noqa: F401  (registers MinAtar's games)
+    from moe_rl.core.plasticity import trunk_dormancy
+    from moe_rl.core.soft_moe import SoftMoELayer
+
+    env, seen = gym.make(GAMES[game]), []
+    obs, _ = env.reset(seed=0)
+    for _ in range(steps):
+        seen.append(obs)
+        obs, _, done, cut, _ = env.step(env.action_space.sample())
+        if done or cut:
+            obs, _ = env.reset()
+    batch = {Columns.OBS: torch.as_tensor(np.stack(seen))}
+    lines = [f"{game}, {steps} observations of random play, seed 0, no update",
+             "| arm | dormant | dispatch entropy / max | max dQ / mean Q, positions shuffled |", "|---|---|---|---|"]
+    for arm in arms:
+        torch.manual_seed(0)
+        config = config_of(game, arm, 0)[1]
+        spec = config.get_default_rl_module_spec()
+        spec.observation_space, spec.action_space = env.observation_space, env.action_space
+        spec.model_config = config.model_config
+        module = spec.build()
+        trunk = module.trunk
+        dormant = trunk_dormancy(trunk, lambda: module.forward_inference(batch))["dormant"]
+        soft = [m for m in trunk.modules() if isinstance(m, SoftMoELayer)]
+        entropy = "-"
+        if soft:
+            with torch.no_grad():
+                records = trunk(batch[Columns.OBS])[1]
+            entropy = f"{statistics.fmean(float(r.dispatch_entropy_norm()) for r in records):.3f}"
+        moved = "one token"
+        if trunk.encoder.tokens:
+            shuffle = torch.randperm(trunk.encoder.num_tokens)
+            with torch.no_grad():
+                q = module.forward_inference(batch)["moe_q"]
+                handle = trunk.encoder.cnn.register_forward_hook(lambda mod, args, out: out[:, shuffle])
+                shuffled = module.forward_inference(batch)["moe_q"]
+                handle.remove()
+            moved = f"{float((shuffled - q).abs().max() / q.abs().mean()):.2g}"
+        lines.append(f"| {arm} | {dormant:.3f} | {entropy} | {moved} |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--games", default=",".join(GAMES))
@@ -224,9 +277,13 @@ def main():
     p.add_argument("--budget", type=int, default=BUDGET)
     p.add_argument("--results", default=RESULTS)
     p.add_argument("--report", action="store_true")
+    p.add_argument("--at-init", action="store_true", help="each arm untrained (no runs): what it can see")
     args = p.parse_args()
     if args.report:
         print(report(args.results))
+        return
+    if args.at_init:
+        print("\n\n".join(at_init(game, args.arms.split(",")) for game in args.games.split(",")))
         return
     for game in args.games.split(","):
         if game not in GAMES:

@@ -52,7 +52,7 @@ def test_tokens_mix_only_within_their_observation():
     assert torch.allclose(together, alone, atol=1e-6)
 
 
-def test_an_image_becomes_one_token_per_position_pooled_after_the_blocks():
+def test_an_image_becomes_one_token_per_position_flattened_after_the_blocks():
     space = gym.spaces.Box(0, 1, (10, 10, 4), bool)   # MinAtar's shape
     assert uses_position_tokens("auto", "soft", space) and not uses_position_tokens("auto", "sparse", space)
     assert not uses_position_tokens("auto", "soft", gym.spaces.Box(-1, 1, (4,)))
@@ -62,7 +62,7 @@ def test_an_image_becomes_one_token_per_position_pooled_after_the_blocks():
     assert tokens.shape == (3, 49, 64) and encoder.num_tokens == 49   # 7 x 7 positions of 64 channels
     trunk = MoEMLPTrunk(encoder, soft())
     features, records = trunk(obs)
-    assert features.shape == (3, 16) and len(records) == 2 and records[0].logits.shape == (3, 49, 4)
+    assert features.shape == (3, 49 * 16) and len(records) == 2 and records[0].logits.shape == (3, 49, 4)
     with pytest.raises(ConfigError, match="moe.tokens"):
         ObservationEncoder(gym.spaces.Box(-1, 1, (4,)), "auto", tokens=True)
 
@@ -78,18 +78,42 @@ def test_token_pool_flatten_keeps_every_position_and_soft_normalize_false_gives_
     assert trunk.out_dim == 49 * 16 and features.shape == (3, 49 * 16)
     layer = trunk.blocks[0].moe
     assert not layer.normalize and layer.scale is None and records[0].logits.shape == (3, 49, 4 * 13)
-    mean_trunk = MoEMLPTrunk(ObservationEncoder(space, "auto", tokens=True), soft(**reference))
+    mean_trunk = MoEMLPTrunk(ObservationEncoder(space, "auto", tokens=True), soft(token_pool="mean", **reference))
     mean_trunk.load_state_dict(trunk.state_dict())   # the same parameters: only the pooling differs
     assert mean_trunk.out_dim == 16
     assert torch.allclose(features.view(3, 49, 16).mean(1), mean_trunk(obs)[0], atol=1e-6)
     # one token: flatten is the mean (nothing to pool)
-    flat = MoEMLPTrunk(4, soft(token_pool="flatten"))
+    flat = MoEMLPTrunk(4, soft())
     assert flat.out_dim == 16 and flat(torch.randn(2, 4))[0].shape == (2, 16)
     for key, value, allowed in (("token_pool", "max", "one of"), ("soft_normalize", "no", "true or false")):
         with pytest.raises(ConfigError, match=f"^moe.{key}: must be {allowed}"):
             soft(**{key: value})
     with pytest.raises(ConfigError, match="^moe.soft_normalize: .*mixture sparse"):
         validate_moe({**MOE_DEFAULTS, "soft_normalize": False})
+
+
+@pytest.mark.parametrize("grid", ["minatar", "minigrid_mt"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_after_a_mean_pool_the_trunk_is_blind_to_where_a_feature_is_and_after_flatten_it_is_not(grid, normalize):
+    """No position embedding, and a Soft MoE mixes tokens by content: shuffling the encoder's
+    positions leaves the mean-pooled features unchanged (why flatten is the default). MinAtar's
+    10x10 grid (49 tokens); MiniGrid's 7x7 view with the task vector on every token (16)."""
+    torch.manual_seed(0)
+    if grid == "minatar":
+        space, obs = gym.spaces.Box(0, 1, (10, 10, 4), bool), torch.rand(8, 10, 10, 4) > 0.7
+    else:
+        space = gym.spaces.Dict({"image": gym.spaces.Box(0, 10, (7, 7, 3)), "task": gym.spaces.Box(0, 1, (5,))})
+        obs = {"image": torch.randint(0, 11, (8, 7, 7, 3)), "task": torch.eye(5)[torch.randint(0, 5, (8,))]}
+    shuffle = torch.randperm(ObservationEncoder(space, "auto", tokens=True).num_tokens)
+    for pool, blind in (("mean", True), ("flatten", False)):
+        trunk = MoEMLPTrunk(ObservationEncoder(space, "auto", tokens=True),
+                            soft(token_pool=pool, soft_normalize=normalize, num_layers=2))
+        with torch.no_grad():
+            features = trunk(obs)[0]
+            handle = trunk.encoder.cnn.register_forward_hook(lambda module, args, out: out[:, shuffle])
+            shuffled = trunk(obs)[0]
+            handle.remove()
+        assert torch.allclose(features, shuffled, atol=1e-5) == blind, pool
 
 
 def test_what_a_soft_mixture_cannot_take_is_refused_by_name():

@@ -22,7 +22,7 @@ def _soft_ppo(**moe):
             .debugging(seed=0))
 
 
-@pytest.mark.parametrize("moe", [{}, AUTHORS_SETTINGS], ids=["registered", "authors_settings"])
+@pytest.mark.parametrize("moe", [{}, AUTHORS_SETTINGS], ids=["defaults", "authors_settings"])
 def test_a_tokenized_soft_moe_ppo_run_checks_clean_and_catches_a_corrupt_rollout_copy_at_once(ray_local, moe):
     """49 position tokens from MinAtar's 10x10 grid: at the same weights (fp32) the rollout copy and
     the trainer compute the same log-probs and the same combine shares, so under `hold` no check acts;

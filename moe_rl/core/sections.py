@@ -91,10 +91,12 @@ class MoESettings(Section):
         "one token per position, pooled after the blocks (token_pool); one: the observation's features as one "
         "token. auto: positions for an image observation under mixture soft, else one.")
     token_pool: str = setting(
-        'mean',
-        "mean | flatten: how the trunk makes one feature vector of the tokens after the blocks. mean: "
-        "their average (d_model wide); flatten: their concatenation (positions x d_model wide, what "
-        "Obando-Ceron et al.'s code feeds its Q head). The same with one token.")
+        'flatten',
+        "flatten | mean: how the trunk makes one feature vector of the tokens after the blocks. flatten: "
+        "their concatenation (positions x d_model wide, what Obando-Ceron et al.'s code feeds its Q "
+        "head); mean: their average (d_model wide). The tokens carry no position embedding and a Soft "
+        "MoE mixes them by content alone, so after mean the heads cannot tell where anything is: the "
+        "policy is the same for any shuffle of the positions. The same with one token.")
     num_layers: int = setting(2, "MoE blocks in the policy trunk.")
     d_model: int = setting(64, "trunk width.")
     d_ff: int = setting(64, "expert hidden width.")
