@@ -5,7 +5,7 @@ fixed there.
 
     .venv/bin/python bench/bench_continual.py --arms dense,moe_task,moe_topk --seeds 0-2   # resumable
     .venv/bin/python bench/bench_continual.py --report                                     # the tables
-    .venv/bin/python bench/bench_continual.py --arms dense_relu,soft_relu --seeds 0-2 \
+    .venv/bin/python bench/bench_continual.py --arms dense_relu,soft_relu_flat --seeds 0-2 \
         --results bench/results/continual_soft                                             # the second
 
 MT5's tasks in sequence (env_config schedule: sequential), 100 k env steps a task, 3 cycles; after
@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_minigrid import _write_json, build_config, missing_runs  # noqa: E402
 
-ARMS = ("dense", "moe_task", "moe_topk", "dense_relu", "soft_relu")
+ARMS = ("dense", "moe_task", "moe_topk", "dense_relu", "soft_relu", "soft_relu_flat")
 # The second registration's arms: MoE-PPO's own loop for both, ReLU units, equal mixture parameters
 # (a dense layer of width 4 x 64 against 4 experts of width 64), the Soft MoE over the CNN's 16
 # position tokens (moe.tokens auto) mean-pooled after it (moe.token_pool's default when this was
@@ -38,8 +38,11 @@ ARM_OVERRIDES = {
     "soft_relu": ["moe.mixture=soft", "moe.router=topk", "moe.router_kwargs={}", "moe.task_slice=null",
                   "moe.num_experts=4", "moe.top_k=1", "moe.activation=relu", "moe.token_pool=mean"],
 }
+# S2's amendment (BENCHMARKS.md, registered before any S2 run): soft_relu with the tokens
+# flattened after the mixture, so the heads can tell where a feature is (mean-pooled, they cannot).
+ARM_OVERRIDES["soft_relu_flat"] = [*ARM_OVERRIDES["soft_relu"][:-1], "moe.token_pool=flatten"]
 # baseline -> its challengers
-COMPARED = {"dense": ("moe_task", "moe_topk"), "dense_relu": ("soft_relu",)}
+COMPARED = {"dense": ("moe_task", "moe_topk"), "dense_relu": ("soft_relu", "soft_relu_flat")}
 SUITE, TASKS = "MT5", ("DoorKey-6x6", "LavaGapS7", "RedBlueDoors-6x6", "DistShift1", "MemoryS11")
 RESULTS = os.path.join(HERE, "results", "continual")
 EVAL_EPISODES, PROBE_PER_TASK, TAU = 8, 200, 0.025
