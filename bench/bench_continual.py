@@ -40,7 +40,8 @@ ARM_OVERRIDES = {
 }
 # S2's amendment (BENCHMARKS.md, registered before any S2 run): soft_relu with the tokens
 # flattened after the mixture, so the heads can tell where a feature is (mean-pooled, they cannot).
-ARM_OVERRIDES["soft_relu_flat"] = [*ARM_OVERRIDES["soft_relu"][:-1], "moe.token_pool=flatten"]
+ARM_OVERRIDES["soft_relu_flat"] = [o for o in ARM_OVERRIDES["soft_relu"] if not o.startswith("moe.token_pool=")] + [
+    "moe.token_pool=flatten"]
 # baseline -> its challengers
 COMPARED = {"dense": ("moe_task", "moe_topk"), "dense_relu": ("soft_relu", "soft_relu_flat")}
 SUITE, TASKS = "MT5", ("DoorKey-6x6", "LavaGapS7", "RedBlueDoors-6x6", "DistShift1", "MemoryS11")

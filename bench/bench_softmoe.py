@@ -228,11 +228,12 @@ def at_init(game: str, arms: list, steps: int = 2048) -> str:
     from ray.rllib.core.columns import Columns
 
     import envs  # noqa: F401  (registers MinAtar's games)
+    from moe_rl.app.checkpoint import policy_module_spec
     from moe_rl.core.plasticity import trunk_dormancy
-    from moe_rl.core.soft_moe import SoftMoELayer
 
     env, seen = gym.make(GAMES[game]), []
     obs, _ = env.reset(seed=0)
+    env.action_space.seed(0)   # the random play too: the same observations every time
     for _ in range(steps):
         seen.append(obs)
         obs, _, done, cut, _ = env.step(env.action_space.sample())
@@ -243,19 +244,15 @@ def at_init(game: str, arms: list, steps: int = 2048) -> str:
              "| arm | dormant | dispatch entropy / max | max dQ / mean Q, positions shuffled |", "|---|---|---|---|"]
     for arm in arms:
         torch.manual_seed(0)
-        config = config_of(game, arm, 0)[1]
-        spec = config.get_default_rl_module_spec()
+        cfg = config_of(game, arm, 0)[0]
+        spec = policy_module_spec(cfg, cfg["moe"])   # the module a run of this arm trains
         spec.observation_space, spec.action_space = env.observation_space, env.action_space
-        spec.model_config = config.model_config
         module = spec.build()
         trunk = module.trunk
         dormant = trunk_dormancy(trunk, lambda: module.forward_inference(batch))["dormant"]
-        soft = [m for m in trunk.modules() if isinstance(m, SoftMoELayer)]
-        entropy = "-"
-        if soft:
-            with torch.no_grad():
-                records = trunk(batch[Columns.OBS])[1]
-            entropy = f"{statistics.fmean(float(r.dispatch_entropy_norm()) for r in records):.3f}"
+        with torch.no_grad():
+            records = trunk(batch[Columns.OBS])[1]   # one per Soft MoE layer; none for mixture dense
+        entropy = f"{statistics.fmean(float(r.dispatch_entropy_norm()) for r in records):.3f}" if records else "-"
         moved = "one token"
         if trunk.encoder.tokens:
             shuffle = torch.randperm(trunk.encoder.num_tokens)
